@@ -1,0 +1,9 @@
+"""flash_catalog: bind measured-faster attention kernels to an unmodified model, site by site; detach exactly."""
+
+from .binder import AttachError, attach, default_catalog, detach, reset_default_catalog
+from .catalog import Catalog
+from .plan import Plan, ShapeRecord, SiteRecord
+from .specs import Spec, SpecError, load_spec
+
+__all__ = ["attach", "detach", "AttachError", "Catalog", "Plan", "SiteRecord", "ShapeRecord", "Spec",
+           "SpecError", "load_spec", "default_catalog", "reset_default_catalog"]

@@ -1,0 +1,102 @@
+"""One attention call in canonical form, and the key that says which calls a verdict covers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+
+class ShapeKey(NamedTuple):
+    """Everything a verdict depends on: a routed call must match a qualified key exactly."""
+
+    layout: str
+    q: tuple[int, ...]
+    k: tuple[int, ...]
+    v: tuple[int, ...]
+    dtype: str
+    device: str
+    mask_kind: str
+    mask_shape: tuple[int, ...] | None
+    mask_dtype: str | None
+    is_causal: bool
+    scale: float | None
+    enable_gqa: bool
+
+    def describe(self) -> str:
+        text = f"q={_dims(self.q)} k={_dims(self.k)} {self.dtype}"
+        if self.mask_kind != "none":
+            text += f" mask={self.mask_kind}{_dims(self.mask_shape or ())}"
+        if self.is_causal:
+            text += " causal"
+        return text
+
+
+def _dims(shape: tuple[int, ...]) -> str:
+    return "(" + ",".join(map(str, shape)) + ")"
+
+
+@dataclass
+class AttentionCall:
+    """Q, K, V in (B, H, S, D) views of the host's tensors, plus what the host passed with them.
+
+    `layout` is the host's own ("bshd" for diffusers' dispatch, "bhsd" for torch SDPA); `host_only` holds
+    arguments that only the host path understands (an explicit backend, a parallel config, ...): a call
+    with any of them set is served by the host.
+    """
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    attn_mask: torch.Tensor | None
+    is_causal: bool
+    scale: float | None
+    enable_gqa: bool
+    dropout_p: float
+    layout: str
+    mask_kind: str
+    host_only: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def head_dim(self) -> int:
+        return self.query.shape[-1]
+
+    @property
+    def gqa(self) -> bool:
+        return self.query.shape[1] != self.key.shape[1]
+
+    def host_shape(self, t: torch.Tensor) -> tuple[int, ...]:
+        shape = tuple(t.shape)
+        return (shape[0], shape[2], shape[1], shape[3]) if self.layout == "bshd" else shape
+
+    def to_host_layout(self, out: torch.Tensor) -> torch.Tensor:
+        return out.transpose(1, 2) if self.layout == "bshd" else out
+
+    def shape_key(self) -> ShapeKey:
+        m = self.attn_mask
+        return ShapeKey(
+            layout=self.layout,
+            q=self.host_shape(self.query),
+            k=self.host_shape(self.key),
+            v=self.host_shape(self.value),
+            dtype=str(self.query.dtype).removeprefix("torch."),
+            device=str(self.query.device),
+            mask_kind=self.mask_kind,
+            mask_shape=tuple(m.shape) if m is not None else None,
+            mask_dtype=str(m.dtype).removeprefix("torch.") if m is not None else None,
+            is_causal=self.is_causal,
+            scale=self.scale,
+            enable_gqa=self.enable_gqa,
+        )
+
+    def unroutable(self) -> str | None:
+        """Why only the host may serve this call, or None."""
+        set_args = sorted(k for k, v in self.host_only.items() if v)
+        if set_args:
+            return f"the host passes {', '.join(set_args)}"
+        if self.dropout_p:
+            return f"dropout_p={self.dropout_p}"
+        if self.query.requires_grad or self.key.requires_grad or self.value.requires_grad:
+            return "gradients are required"
+        return None

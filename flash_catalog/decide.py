@@ -1,0 +1,110 @@
+"""Deciding one captured shape of one site: qualify each form, gate accuracy, gate speed, first winner binds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .adapters.router import CapturedCall
+from .calls import ShapeKey
+from .forms.base import AttentionForm, Runner
+from .gate import Timing, measure_accuracy, paired_speedup
+from .plan import ShapeRecord
+from .qualify import qualify
+from .specs import AccuracyFloor, Spec
+
+
+@dataclass(frozen=True)
+class GateOptions:
+    min_speedup: float | None = None  # None: each spec's own
+    min_cosine: float | None = None
+    max_rel_err: float | None = None
+    rounds: int | None = None  # None: 15 on CUDA, 7 on CPU
+
+    def floor(self, spec: Spec) -> AccuracyFloor:
+        return AccuracyFloor(
+            self.min_cosine if self.min_cosine is not None else spec.accuracy.min_cosine,
+            self.max_rel_err if self.max_rel_err is not None else spec.accuracy.max_rel_err,
+        )
+
+    def speedup_needed(self, spec: Spec) -> float:
+        return self.min_speedup if self.min_speedup is not None else spec.latency.min_speedup
+
+    def rounds_for(self, device: torch.device) -> int:
+        return self.rounds if self.rounds is not None else (15 if device.type == "cuda" else 7)
+
+
+@dataclass
+class TimingCache:
+    """Speed depends on shape, not data: a (form, shape) pair measured at one site serves identical sites.
+
+    A spec with `per_shape = false` is timed once per site, at the first shape the site was called with.
+    """
+
+    entries: dict[tuple[str, object], tuple[Timing, str]] = field(default_factory=dict)
+
+    def get(self, spec: Spec, site: str, key: ShapeKey) -> tuple[Timing, str] | None:
+        return self.entries.get(self._key(spec, site, key))
+
+    def put(self, spec: Spec, site: str, key: ShapeKey, timing: Timing) -> None:
+        self.entries[self._key(spec, site, key)] = (timing, site)
+
+    @staticmethod
+    def _key(spec: Spec, site: str, key: ShapeKey) -> tuple[str, object]:
+        return (spec.name, key if spec.latency.per_shape else site)
+
+
+def decide_shape(site: str, captured: CapturedCall, forms: list[AttentionForm], options: GateOptions,
+                 timings: TimingCache) -> tuple[ShapeRecord, Runner | None]:
+    call = captured.call
+    if call is None or captured.problem:
+        shape = call.shape_key().describe() if call is not None else "-"
+        return ShapeRecord(shape, captured.count, "host", reason=f"host only: {captured.problem}"), None
+    key = call.shape_key()
+    record = ShapeRecord(key.describe(), captured.count, "host")
+    if not forms:
+        record.reason = "no attention forms selected"
+        return record, None
+    host_out = captured.host()
+    shape_text = f"q=({','.join(map(str, key.q))})"
+    declined = False
+    for form in forms:
+        spec = form.spec
+        verdict = qualify(spec, call, form.rule(call))
+        if not verdict.qualified:
+            record.trail.append(verdict.reason)
+            continue
+        runner = form.runner(call)
+        accuracy = measure_accuracy(call.to_host_layout(runner(call)), host_out)
+        floor = options.floor(spec)
+        if not accuracy.passes(floor):
+            record.trail.append(f"{spec.name}: accuracy {accuracy.describe()} below floor "
+                                f"cos>={floor.min_cosine} err<={floor.max_rel_err} at {shape_text}")
+            continue
+        cached = timings.get(spec, site, key)
+        if cached is None:
+            timing = paired_speedup(captured.host, lambda: runner(call), call.query.device,
+                                    rounds=options.rounds_for(call.query.device))
+            timings.put(spec, site, key, timing)
+            timed_at = ""
+        else:
+            timing, origin = cached
+            timed_at = f", timed at {origin}" if origin != site else ""
+        need = options.speedup_needed(spec)
+        figures = f"{timing.speedup:.3f}x ({timing.host_ms:.3f} -> {timing.form_ms:.3f} ms{timed_at})"
+        if timing.speedup >= need:
+            record.outcome, record.form, record.speedup = "bound", spec.name, timing.speedup
+            record.cosine, record.max_rel_err = accuracy.cosine, accuracy.max_rel_err
+            record.reason = f"{spec.name}: {figures} >= {need}, {accuracy.describe()}; {runner.detail}"
+            record.trail.append(record.reason)
+            return record, runner
+        record.trail.append(f"{spec.name}: declined, {figures} < {need} at {shape_text}, "
+                            f"{accuracy.describe()}")
+        if not declined:
+            declined = True
+            record.form, record.speedup = spec.name, timing.speedup
+            record.cosine, record.max_rel_err = accuracy.cosine, accuracy.max_rel_err
+    record.outcome = "declined" if declined else "refused"
+    record.reason = "; ".join(record.trail)
+    return record, None

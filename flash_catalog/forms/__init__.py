@@ -1,0 +1,1 @@
+"""Executable forms: one implementation per file, each declared by a spec in `specs/<family>/`."""

@@ -1,0 +1,54 @@
+"""What an attention form provides to the binder."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..calls import AttentionCall, ShapeKey
+from ..specs import Spec
+
+
+@dataclass(frozen=True)
+class Runner:
+    """Computes attention for a call: (B, H, Sq, Dv) in the query's dtype, caller's tensors untouched.
+
+    `detail` says what was chosen for this shape (a backend, a block size), for the plan.
+    """
+
+    fn: Callable[[AttentionCall], torch.Tensor]
+    detail: str = ""
+
+    def __call__(self, call: AttentionCall) -> torch.Tensor:
+        return self.fn(call)
+
+
+class AttentionForm:
+    """Base class: a spec plus one runner per qualified shape, built on first use and cached."""
+
+    def __init__(self, spec: Spec) -> None:
+        self.spec = spec
+        self._runners: dict[ShapeKey, Runner] = {}
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def rule(self, call: AttentionCall) -> str | None:
+        """A narrowing rule the envelope cannot express; the broken rule's text, or None."""
+        return None
+
+    def runner(self, call: AttentionCall) -> Runner:
+        key = call.shape_key()
+        if key not in self._runners:
+            self._runners[key] = self.build(call)
+        return self._runners[key]
+
+    def build(self, call: AttentionCall) -> Runner:
+        raise NotImplementedError
+
+    def retain(self, keys: set[ShapeKey]) -> None:
+        """Keep only the runners of bound shapes; an empty set frees everything the form built."""
+        self._runners = {k: r for k, r in self._runners.items() if k in keys}

@@ -1,0 +1,119 @@
+"""The plan: what `attach` decided for every site and shape, why, and how to undo it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+OUTCOMES = ("bound", "declined", "refused", "host")
+"""bound: a form serves the shape. declined: a form qualified and was accurate but not fast enough.
+refused: no form qualified (envelope or accuracy floor). host: no form was tried (none selected, the
+site was not called, or the host passes arguments only it understands)."""
+
+
+@dataclass
+class ShapeRecord:
+    shape: str
+    calls: int
+    outcome: str
+    form: str | None = None
+    speedup: float | None = None
+    cosine: float | None = None
+    max_rel_err: float | None = None
+    reason: str = ""
+    trail: list[str] = field(default_factory=list)
+
+
+@dataclass
+class SiteRecord:
+    name: str
+    shapes: list[ShapeRecord]
+
+    @property
+    def outcome(self) -> str:
+        outcomes = {s.outcome for s in self.shapes}
+        return next((o for o in OUTCOMES if o in outcomes), "host")
+
+    @property
+    def form(self) -> str | None:
+        return next((s.form for s in self.shapes if s.outcome == self.outcome), None)
+
+    @property
+    def speedup(self) -> float | None:
+        return next((s.speedup for s in self.shapes if s.outcome == self.outcome), None)
+
+    @property
+    def accuracy(self) -> tuple[float, float] | None:
+        for s in self.shapes:
+            if s.outcome == self.outcome and s.cosine is not None:
+                return (s.cosine, s.max_rel_err or 0.0)
+        return None
+
+    @property
+    def reason(self) -> str:
+        return "; ".join(s.reason for s in self.shapes if s.reason)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "outcome": self.outcome, "form": self.form,
+                "shapes": [asdict(s) for s in self.shapes]}
+
+
+@dataclass
+class Plan:
+    sites: list[SiteRecord]
+    environment: dict[str, Any]
+    options: dict[str, Any]
+    _fallbacks: Callable[[], dict[str, int]] = field(repr=False, default=dict)
+    _routed: Callable[[], dict[str, int]] = field(repr=False, default=dict)
+    _revert: Callable[[], None] | None = field(repr=False, default=None)
+    detached: bool = False
+
+    @property
+    def fallbacks(self) -> dict[str, int]:
+        """Calls at bound sites that the guard sent to the host (a shape, dtype or mask not qualified)."""
+        return dict(self._fallbacks())
+
+    @property
+    def routed(self) -> dict[str, int]:
+        """Calls that bound forms served, per site, since attach."""
+        return dict(self._routed())
+
+    def site(self, name: str) -> SiteRecord:
+        for s in self.sites:
+            if s.name == name:
+                return s
+        raise KeyError(f"no site {name!r}; sites: {', '.join(s.name for s in self.sites)}")
+
+    def counts(self) -> dict[str, int]:
+        out = dict.fromkeys(OUTCOMES, 0)
+        for s in self.sites:
+            out[s.outcome] += 1
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"environment": self.environment, "options": self.options, "counts": self.counts(),
+                "fallbacks": self.fallbacks, "routed": self.routed, "detached": self.detached,
+                "sites": [s.to_dict() for s in self.sites]}
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(self.to_json() + "\n")
+        return path
+
+    def __str__(self) -> str:
+        rows = [("site", "shape", "outcome", "form", "speedup", "cosine", "reason")]
+        for site in self.sites:
+            for s in site.shapes:
+                rows.append((site.name, s.shape, s.outcome, s.form or "-",
+                             f"{s.speedup:.2f}x" if s.speedup is not None else "-",
+                             f"{s.cosine:.6f}" if s.cosine is not None else "-", s.reason))
+        widths = [min(max(len(r[i]) for r in rows), 48) for i in range(len(rows[0]) - 1)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
+        counts = ", ".join(f"{n} {o}" for o, n in self.counts().items() if n)
+        state = "detached" if self.detached else "attached"
+        return "\n".join(lines + [f"{len(self.sites)} sites: {counts or 'none'} ({state})"])

@@ -1,0 +1,88 @@
+"""Qualification: does a form's envelope cover one captured call? The verdict names form, rule and shape."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from importlib import metadata
+
+import torch
+from packaging.requirements import Requirement
+from packaging.version import InvalidVersion, Version
+
+from .calls import AttentionCall
+from .specs import Envelope, Spec
+
+
+@dataclass(frozen=True)
+class Verdict:
+    form: str
+    qualified: bool
+    reason: str = ""
+
+
+def qualify(spec: Spec, call: AttentionCall, extra_rule: str | None = None) -> Verdict:
+    """Check the envelope (then a form's own narrowing rule) against one call."""
+    rule = envelope_rule(spec.envelope, call) or extra_rule
+    if rule is None:
+        return Verdict(spec.name, True)
+    q = call.host_shape(call.query)
+    return Verdict(spec.name, False, f"{spec.name}: {rule} at q=({','.join(map(str, q))})")
+
+
+def envelope_rule(env: Envelope, call: AttentionCall) -> str | None:
+    """The first envelope rule the call breaks, or None."""
+    missing = unmet_requirements(env.requires)
+    if missing:
+        return missing
+    device = call.query.device
+    if device.type not in env.devices:
+        return f"device {device.type} not in [{', '.join(env.devices)}]"
+    if device.type == "cuda" and env.min_capability is not None:
+        cap = torch.cuda.get_device_capability(device)
+        if cap < env.min_capability:
+            return f"compute capability {cap[0]}.{cap[1]} < {env.min_capability[0]}.{env.min_capability[1]}"
+    dtype = str(call.query.dtype).removeprefix("torch.")
+    if dtype not in env.dtypes:
+        return f"dtype {dtype} not in [{', '.join(env.dtypes)}]"
+    for label, d in (("head_dim", call.query.shape[-1]), ("value head_dim", call.value.shape[-1])):
+        if env.head_dims and d not in env.head_dims:
+            return f"{label} {d} not in [{', '.join(map(str, env.head_dims))}]"
+        if env.max_head_dim is not None and d > env.max_head_dim:
+            return f"{label} {d} > {env.max_head_dim}"
+    for label, s in (("query length", call.query.shape[2]), ("key length", call.key.shape[2])):
+        if s < env.min_seq:
+            return f"{label} {s} < {env.min_seq}"
+        if env.max_seq is not None and s > env.max_seq:
+            return f"{label} {s} > {env.max_seq}"
+    if call.mask_kind not in env.masks:
+        return f"mask {call.mask_kind} not in [{', '.join(env.masks)}]"
+    if call.is_causal and not env.causal:
+        return "is_causal not supported"
+    if call.gqa and not env.gqa:
+        return f"GQA ({call.query.shape[1]} query heads over {call.key.shape[1]} kv heads) not supported"
+    return None
+
+
+def unmet_requirements(requires: tuple[str, ...]) -> str | None:
+    for text in requires:
+        problem = _requirement_problem(text)
+        if problem:
+            return problem
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _requirement_problem(text: str) -> str | None:
+    req = Requirement(text)
+    try:
+        installed = metadata.version(req.name)
+    except metadata.PackageNotFoundError:
+        return f"requires {text}, {req.name} is not installed"
+    try:
+        version = Version(installed)
+    except InvalidVersion:
+        return f"requires {text}, installed {req.name} {installed} has no comparable version"
+    if not req.specifier.contains(Version(version.base_version), prereleases=True):
+        return f"requires {text}, installed {req.name} is {installed}"
+    return None

@@ -1,0 +1,341 @@
+"""attach / detach on tiny diffusers hosts built from config: sites, gates, routing, guard, exact restore."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from diffusers.models import attention_dispatch
+from diffusers.models.transformers import transformer_ltx, transformer_ltx2, transformer_wan
+
+from flash_catalog import AttachError, Catalog, attach, detach
+from flash_catalog.catalog import specs_dir
+from flash_catalog.tiny_hosts import build
+
+SDPA = F.scaled_dot_product_attention
+DISPATCH = attention_dispatch.dispatch_attention_fn
+SDPA_SPEC = (Path(specs_dir()) / "attention_core" / "sdpa_dense.toml").read_text()
+
+EXPECTED_SITES = {
+    "ltx": ["transformer_blocks.0.attn1#0", "transformer_blocks.0.attn2#0",
+            "transformer_blocks.1.attn1#0", "transformer_blocks.1.attn2#0"],
+    "ltx2": [f"transformer_blocks.{b}.{a}#0" for b in (0, 1)
+             for a in ("attn1", "audio_attn1", "attn2", "audio_attn2", "audio_to_video_attn",
+                       "video_to_audio_attn")],
+    "wan": [f"blocks.{b}.{s}" for b in (0, 1) for s in ("attn1#0", "attn2#0", "attn2#1")],
+    "flux": ["transformer_blocks.0.attn#0", "single_transformer_blocks.0.attn#0"],
+    "legacy": ["transformer_blocks.0.attn1#0", "transformer_blocks.0.attn2#0"],
+}
+
+
+def first(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def run(model, inputs):
+    with torch.no_grad():
+        out = model(**inputs)
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def snapshot(model):
+    """Everything detach must restore: state, processors, hooks, patched globals, diffusers' backend."""
+    return {
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "processors": {n: m.processor for n, m in model.named_modules() if hasattr(m, "processor")},
+        "hooks": {n: (dict(m._forward_pre_hooks), dict(m._forward_hooks)) for n, m in model.named_modules()},
+        "globals": (transformer_ltx.dispatch_attention_fn, transformer_ltx2.dispatch_attention_fn,
+                    transformer_wan.dispatch_attention_fn, F.scaled_dot_product_attention),
+        "backend": attention_dispatch._AttentionBackendRegistry._active_backend,
+    }
+
+
+def assert_restored(model, before):
+    after = snapshot(model)
+    assert after["state"].keys() == before["state"].keys()
+    assert all(torch.equal(after["state"][k], v) for k, v in before["state"].items())
+    assert all(after["processors"][n] is p for n, p in before["processors"].items())
+    assert after["hooks"] == before["hooks"]
+    assert all(a is b for a, b in zip(after["globals"], before["globals"]))
+    assert after["globals"][0] is DISPATCH and F.scaled_dot_product_attention is SDPA
+    assert after["backend"] == before["backend"]
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_SITES))
+def test_forced_bind_close_to_host_and_detach_bit_exact(name):
+    host = build(name)
+    inputs = host.inputs()
+    before = snapshot(host.model)
+    reference = run(host.model, inputs)
+
+    plan = attach(host.model, inputs, min_speedup=0)
+    assert [s.name for s in plan.sites] == EXPECTED_SITES[name]
+    assert all(s.outcome == "bound" and s.form == "sdpa_dense" for s in plan.sites), str(plan)
+    for site in plan.sites:  # accuracy per attention call, not only at the model's output
+        cos, err = site.accuracy
+        assert cos >= 0.9999 and err <= 0.02
+
+    attached = run(host.model, inputs)
+    assert sum(plan.routed.values()) == len(EXPECTED_SITES[name])
+    assert plan.fallbacks == {}
+    for a, r in zip(attached, reference):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
+
+    detach(plan)
+    assert_restored(host.model, before)
+    restored = run(host.model, inputs)
+    assert all(torch.equal(a, r) for a, r in zip(restored, reference))
+    detach(plan)  # a second detach is harmless
+    assert_restored(host.model, before)
+
+
+def test_default_gate_measures_and_declines_or_binds_with_reason():
+    host = build("ltx")
+    plan = attach(host.model, host.inputs(), timing_rounds=3)
+    for site in plan.sites:
+        shape = site.shapes[0]
+        assert shape.outcome in ("bound", "declined")
+        assert shape.speedup is not None and shape.speedup > 0
+        if shape.outcome == "declined":
+            assert f"{shape.speedup:.3f}x" in shape.reason and "< 1.02" in shape.reason
+        else:
+            assert ">= 1.02" in shape.reason
+    detach(plan)
+
+
+def test_all_pass_mask_dropped_and_padding_mask_refused():
+    host = build("ltx")
+    inputs = host.inputs()
+    plan = attach(host.model, inputs, min_speedup=0)
+    cross = plan.site("transformer_blocks.0.attn2#0").shapes[0]
+    assert "mask=all_pass" in cross.shape and "mask dropped" in cross.reason
+    detach(plan)
+
+    mask = inputs["encoder_attention_mask"].clone()
+    mask[:, 10:] = False
+    padded = dict(inputs, encoder_attention_mask=mask)
+    plan = attach(host.model, padded, min_speedup=0)
+    cross = plan.site("transformer_blocks.0.attn2#0")
+    assert cross.outcome == "refused"
+    assert cross.reason == "sdpa_dense: mask arbitrary not in [none, all_pass] at q=(2,32,2,8)"
+    assert plan.site("transformer_blocks.0.attn1#0").outcome == "bound"
+    detach(plan)
+
+
+def test_envelope_refusal_names_form_rule_and_shape(tmp_path):
+    (tmp_path / "narrow.toml").write_text(
+        SDPA_SPEC.replace('name = "sdpa_dense"', 'name = "narrow"').replace(
+            "[envelope]", "[envelope]\nhead_dims = [64, 128]"))
+    host = build("wan")
+    plan = attach(host.model, host.inputs(), catalog=Catalog.load([tmp_path]), min_speedup=0)
+    site = plan.site("blocks.0.attn1#0")
+    assert site.outcome == "refused"
+    assert site.reason == "narrow: head_dim 12 not in [64, 128] at q=(1,32,2,12)"
+    detach(plan)
+
+
+def test_accuracy_floor_refuses_with_figures(tmp_path):
+    (tmp_path / "wrong.toml").write_text(
+        SDPA_SPEC.replace('name = "sdpa_dense"', 'name = "wrong_scale"').replace(
+            "flash_catalog.forms.sdpa_dense:SdpaDense", "noisy_form:WrongScale"))
+    host = build("flux")
+    plan = attach(host.model, host.inputs(), catalog=Catalog.load([tmp_path]), min_speedup=0)
+    for site in plan.sites:
+        assert site.outcome == "refused"
+        assert site.reason.startswith("wrong_scale: accuracy cos=")
+        assert "below floor cos>=0.9999 err<=0.02 at q=(" in site.reason
+    detach(plan)
+    # the floor is an argument: loosened, the same form binds
+    plan = attach(host.model, host.inputs(), catalog=Catalog.load([tmp_path]), min_speedup=0,
+                  min_cosine=0.0, max_rel_err=100.0)
+    assert {s.outcome for s in plan.sites} == {"bound"}
+    detach(plan)
+
+
+def test_explicit_order_falls_through_to_next_form(tmp_path):
+    (tmp_path / "wrong.toml").write_text(
+        SDPA_SPEC.replace('name = "sdpa_dense"', 'name = "wrong_scale"').replace(
+            "flash_catalog.forms.sdpa_dense:SdpaDense", "noisy_form:WrongScale"))
+    (tmp_path / "sdpa_dense.toml").write_text(SDPA_SPEC)
+    host = build("flux")
+    plan = attach(host.model, host.inputs(), catalog=Catalog.load([tmp_path]), min_speedup=0,
+                  attention_forms=["wrong_scale", "sdpa_dense"])
+    for site in plan.sites:
+        shape = site.shapes[0]
+        assert shape.outcome == "bound" and shape.form == "sdpa_dense"
+        assert shape.trail[0].startswith("wrong_scale: accuracy")
+    detach(plan)
+
+
+def test_empty_form_list_keeps_host_everywhere():
+    host = build("ltx")
+    before = snapshot(host.model)
+    plan = attach(host.model, host.inputs(), attention_forms=[])
+    assert {s.outcome for s in plan.sites} == {"host"}
+    assert {s.reason for s in plan.sites} == {"no attention forms selected"}
+    detach(plan)
+    assert_restored(host.model, before)
+
+
+def test_unknown_form_raises_listing_known_and_touches_nothing():
+    host = build("ltx")
+    before = snapshot(host.model)
+    with pytest.raises(ValueError, match=r"unknown attention_core form\(s\) 'sage9'; known: .*sdpa_dense"):
+        attach(host.model, host.inputs(), attention_forms=["sage9"])
+    assert_restored(host.model, before)
+
+
+def test_attach_is_transactional_on_a_failing_example():
+    host = build("ltx2")
+    inputs = host.inputs()
+    before = snapshot(host.model)
+    reference = run(host.model, inputs)
+
+    def failing():
+        host.model(**inputs)
+        raise RuntimeError("out of memory in step 2")
+
+    with pytest.raises(AttachError, match=r"while running the example \(calibration call\): "
+                                          r"RuntimeError: out of memory in step 2\. The model was restored"):
+        attach(host.model, failing)
+    assert_restored(host.model, before)
+
+    bad_kwargs = dict(inputs, not_an_argument=1)
+    with pytest.raises(AttachError, match="not_an_argument") as err:
+        attach(host.model, bad_kwargs)
+    assert isinstance(err.value.__cause__, TypeError)
+    assert_restored(host.model, before)
+    assert all(torch.equal(a, r) for a, r in zip(run(host.model, inputs), reference))
+
+    with pytest.raises(TypeError, match="example must be a dict of forward kwargs"):
+        attach(host.model, 42)
+    assert_restored(host.model, before)
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"min_speedup": -1}, r"min_speedup=-1 is out of range"),
+    ({"min_cosine": 2}, r"min_cosine=2 is out of range"),
+    ({"timing_rounds": 0}, r"timing_rounds=0"),
+    ({"sites": ["nothing.*"]}, r"matches no attention site; sites are: transformer_blocks.0.attn1"),
+])
+def test_bad_options_are_named(bad, match):
+    host = build("ltx")
+    with pytest.raises((ValueError, TypeError), match=match):
+        attach(host.model, host.inputs(), **bad)
+
+
+def test_guard_falls_back_at_a_new_resolution_and_counts_it():
+    host = build("ltx2")
+    inputs = host.inputs()
+    plan = attach(host.model, inputs, min_speedup=0)
+    bigger = host.inputs(2)
+    with torch.no_grad():
+        attached = run(host.model, bigger)
+    # video sites saw a new sequence length: host path, counted; audio-only sites did not change shape
+    assert plan.fallbacks["transformer_blocks.0.attn1#0"] == 1
+    assert plan.fallbacks["transformer_blocks.1.attn2#0"] == 1
+    assert "transformer_blocks.0.audio_attn1#0" not in plan.fallbacks
+    detach(plan)
+    reference = run(host.model, bigger)
+    for a, r in zip(attached, reference):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
+
+
+def test_guard_sends_a_new_mask_class_to_the_host_exactly():
+    host = build("ltx")
+    inputs = host.inputs()
+    plan = attach(host.model, inputs, min_speedup=0, sites=["*attn2"])
+    assert [s.name for s in plan.sites] == ["transformer_blocks.0.attn2#0", "transformer_blocks.1.attn2#0"]
+    mask = inputs["encoder_attention_mask"].clone()
+    mask[:, 5:] = False
+    padded = dict(inputs, encoder_attention_mask=mask)
+    attached = run(host.model, padded)
+    assert plan.fallbacks == {"transformer_blocks.0.attn2#0": 1, "transformer_blocks.1.attn2#0": 1}
+    assert plan.routed == {}
+    detach(plan)
+    assert all(torch.equal(a, r) for a, r in zip(attached, run(host.model, padded)))
+
+
+def test_processor_keyword_arguments_are_kept():
+    """LTX-2's perturbed processor takes perturbation_mask: routing must not drop it."""
+    host = build("ltx2", perturbed=True)
+    stg = dict(host.inputs(), spatio_temporal_guidance_blocks=[1],
+               perturbation_mask=torch.tensor([1.0, 0.0]))
+    plain = run(host.model, host.inputs())
+    reference = run(host.model, stg)
+    assert not torch.allclose(reference[0], plain[0])
+    plan = attach(host.model, stg, min_speedup=0)
+    attached = run(host.model, stg)
+    detach(plan)
+    for a, r in zip(attached, reference):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
+
+
+def test_host_only_arguments_keep_the_host():
+    host = build("flux")
+    processor = host.model.transformer_blocks[0].attn.processor
+    processor._attention_backend = "native"
+    try:
+        plan = attach(host.model, host.inputs(), min_speedup=0)
+        site = plan.site("transformer_blocks.0.attn#0")
+        assert site.outcome == "host"
+        assert site.reason == "host only: the host passes backend"
+        assert plan.site("single_transformer_blocks.0.attn#0").outcome == "bound"
+        detach(plan)
+    finally:
+        del processor._attention_backend
+
+
+def test_callable_and_tuple_examples():
+    host = build("legacy")
+    inputs = host.inputs()
+    plan = attach(host.model, lambda: host.model(**inputs), min_speedup=0)
+    assert {s.outcome for s in plan.sites} == {"bound"}
+    detach(plan)
+    plan = attach(host.model, (inputs["hidden_states"], inputs["encoder_hidden_states"]), min_speedup=0)
+    assert {s.outcome for s in plan.sites} == {"bound"}
+    detach(plan)
+
+
+def test_site_not_called_is_reported_as_host():
+    host = build("ltx")
+    inputs = host.inputs()
+    plan = attach(host.model, lambda: host.model.transformer_blocks[0].attn1(torch.randn(2, 8, 16)),
+                  min_speedup=0)
+    assert plan.site("transformer_blocks.0.attn1#0").outcome == "bound"
+    unused = plan.site("transformer_blocks.1.attn2#0")
+    assert unused.outcome == "host" and unused.reason == "not called during calibration"
+    detach(plan)
+    del inputs
+
+
+def test_plan_receipt_json_and_table(tmp_path):
+    host = build("wan")
+    plan = attach(host.model, host.inputs(), min_speedup=0)
+    data = json.loads(plan.to_json())
+    for key in ("torch", "triton", "diffusers", "device", "python"):
+        assert key in data["environment"]
+    assert data["counts"]["bound"] == 6
+    assert data["sites"][0]["shapes"][0]["form"] == "sdpa_dense"
+    saved = plan.save(tmp_path / "receipt.json")
+    assert json.loads(saved.read_text())["sites"] == data["sites"]
+    table = str(plan)
+    assert table.splitlines()[0].split()[:4] == ["site", "shape", "outcome", "form"]
+    assert "blocks.0.attn2#1" in table and "6 sites: 6 bound (attached)" in table
+    detach(plan)
+    assert "(detached)" in str(plan)
+
+
+def test_two_plans_detach_in_reverse_order_only():
+    first_host, second_host = build("ltx"), build("ltx", seed=3)
+    plan_a = attach(first_host.model, first_host.inputs(), min_speedup=0)
+    plan_b = attach(second_host.model, second_host.inputs(), min_speedup=0)
+    with pytest.raises(RuntimeError, match="detach the plans in the reverse order of attaching"):
+        detach(plan_a)
+    assert not plan_a.detached
+    detach(plan_b)
+    detach(plan_a)
+    assert transformer_ltx.dispatch_attention_fn is DISPATCH

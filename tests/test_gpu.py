@@ -1,0 +1,38 @@
+"""On a CUDA device: sdpa_dense binds on tiny hosts in bf16, routes, and detach restores bit-exactly."""
+
+import pytest
+import torch
+
+from flash_catalog import attach, detach
+from flash_catalog.tiny_hosts import build
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("name", ["ltx2", "wan", "flux", "legacy"])
+def test_cuda_forced_bind_and_exact_detach(name):
+    host = build(name, device="cuda", dtype=torch.bfloat16)
+    inputs = host.inputs()
+    with torch.no_grad():
+        reference = host.model(**inputs)[0]
+    plan = attach(host.model, inputs, min_speedup=0)
+    assert {s.outcome for s in plan.sites} == {"bound"}, str(plan)
+    assert all("backend " in s.reason for s in plan.sites)
+    with torch.no_grad():
+        attached = host.model(**inputs)[0]
+    assert sum(plan.routed.values()) == len(plan.sites)
+    cos = torch.nn.functional.cosine_similarity(attached.float().flatten(), reference.float().flatten(), dim=0)
+    assert cos > 0.999
+    detach(plan)
+    with torch.no_grad():
+        assert torch.equal(host.model(**inputs)[0], reference)
+
+
+def test_cuda_gate_decides_by_measurement():
+    host = build("ltx", device="cuda", dtype=torch.bfloat16)
+    plan = attach(host.model, host.inputs())
+    for site in plan.sites:
+        shape = site.shapes[0]
+        assert shape.outcome in ("bound", "declined") and shape.speedup is not None
+        assert shape.cosine >= 0.9999
+    detach(plan)
