@@ -32,7 +32,14 @@ def build(name: str, device: str | torch.device = "cpu", dtype: torch.dtype = to
     model, make = builders[name](**options)
     model = model.to(device=device).eval()
     if dtype != torch.float32:
-        model = model.to(dtype=dtype)
+        from diffusers.utils import logging as diffusers_logging
+
+        level = diffusers_logging.get_verbosity()
+        diffusers_logging.set_verbosity_error()  # the "keep in float32" hint is about checkpoints, not these
+        try:
+            model = model.to(dtype=dtype)
+        finally:
+            diffusers_logging.set_verbosity(level)
     gen = torch.Generator().manual_seed(seed + 1)
 
     def make_inputs(size: int = 1) -> dict[str, Any]:
