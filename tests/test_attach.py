@@ -339,3 +339,20 @@ def test_two_plans_detach_in_reverse_order_only():
     detach(plan_b)
     detach(plan_a)
     assert transformer_ltx.dispatch_attention_fn is DISPATCH
+
+
+@pytest.mark.parametrize("requirement,expected", [
+    ("torch>=99", "requires torch>=99, installed torch is {torch}"),
+    ("no-such-package-xyz>=1", "requires no-such-package-xyz>=1, no-such-package-xyz is not installed"),
+])
+def test_unmet_package_requirement_refuses(tmp_path, requirement, expected):
+    (tmp_path / "future.toml").write_text(
+        SDPA_SPEC.replace('name = "sdpa_dense"', 'name = "future"').replace(
+            'requires = ["torch>=2.5"]', f'requires = ["torch>=2.5", "{requirement}"]'))
+    host = build("flux")
+    plan = attach(host.model, host.inputs(), catalog=Catalog.load([tmp_path]), min_speedup=0)
+    site = plan.site("transformer_blocks.0.attn#0")
+    from importlib.metadata import version
+    assert site.outcome == "refused"
+    assert site.reason == f"future: {expected.format(torch=version('torch'))} at q=(1,24,2,16)"
+    detach(plan)
