@@ -59,19 +59,24 @@ def attach(model: nn.Module, example: Example, *, attention_forms: Sequence[str]
     modules = _filter_sites(adapter.find_sites(model), sites)
 
     router = AttentionRouter()
-    patches = [GlobalPatch(t.namespace, t.name, _current(t.namespace, t.name),
-                           router.replacement(_current(t.namespace, t.name), t.signature))
-               for t in adapter.targets(modules)]
+    paths = {id(m): p for p, m in modules.items()}
+    patches = []
+    for t in adapter.targets(modules):
+        original = _current(t.namespace, t.name)
+        stand_in = (router.framing(original, paths) if t.kind == "frame"
+                    else router.replacement(original, t.signature))
+        patches.append(GlobalPatch(t.namespace, t.name, original, stand_in))
     installation = Installation(router, patches)
-    installation.install(modules)
+    installation.install(modules if adapter.hooks else {})
     stage = "running the example (calibration call)"
     try:
         with torch.no_grad():
             run_example()
         records, routes, timings = [], {}, TimingCache()
-        for site in _site_names(modules, router):
+        uncalled = adapter.uncalled_reason(model)
+        for site in _site_names(modules, router, adapter.discovered):
             stage = f"gating site {site}"
-            record, site_routes = _decide_site(site, router, forms, options, timings)
+            record, site_routes = _decide_site(site, router, forms, options, timings, uncalled)
             records.append(record)
             routes[site] = site_routes
         stage = "binding the plan"
@@ -79,6 +84,8 @@ def attach(model: nn.Module, example: Example, *, attention_forms: Sequence[str]
         for form in forms:
             form.retain(bound_keys)
         router.bind(routes)
+        if adapter.discovered:
+            installation.prune({r.name.rsplit("#", 1)[0] for r in records})
     except BaseException as exc:
         installation.uninstall()
         for form in forms:
@@ -121,7 +128,7 @@ def _reverter(installation: Installation, forms: list[AttentionForm]) -> Callabl
 
 
 def _decide_site(site: str, router: AttentionRouter, forms: list[AttentionForm], options: GateOptions,
-                 timings: TimingCache) -> tuple[SiteRecord, dict]:
+                 timings: TimingCache, uncalled: str) -> tuple[SiteRecord, dict]:
     captured = router.captured.get(site, {})
     shapes: list[ShapeRecord] = []
     routes: dict = {}
@@ -131,17 +138,20 @@ def _decide_site(site: str, router: AttentionRouter, forms: list[AttentionForm],
         if runner is not None and entry.call is not None:
             routes[key] = runner
     if not shapes:
-        shapes.append(ShapeRecord("-", 0, "host", reason="not called during calibration"))
+        shapes.append(ShapeRecord("-", 0, "host", reason=uncalled))
     return SiteRecord(site, shapes), routes
 
 
-def _site_names(modules: dict[str, nn.Module], router: AttentionRouter) -> list[str]:
-    """Every site module's calls in model order; a module never called gets one `#0` entry."""
+def _site_names(modules: dict[str, nn.Module], router: AttentionRouter, discovered: bool) -> list[str]:
+    """Every site module's calls in model order; a module never called gets one `#0` entry, unless sites
+    are discovered by calibration (then it is no site)."""
+    by_path: dict[str, list[str]] = {}
+    for site in router.captured:
+        by_path.setdefault(site.rsplit("#", 1)[0], []).append(site)
     names: list[str] = []
     for path in modules:
-        called = sorted((s for s in router.captured if s.rsplit("#", 1)[0] == path),
-                        key=lambda s: int(s.rsplit("#", 1)[1]))
-        names.extend(called or [f"{path}#0"])
+        called = sorted(by_path.get(path, []), key=lambda s: int(s.rsplit("#", 1)[1]))
+        names.extend(called or ([] if discovered else [f"{path}#0"]))
     return names
 
 

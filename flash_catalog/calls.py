@@ -7,6 +7,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .masks import MaskInfo
+
 
 class ShapeKey(NamedTuple):
     """Everything a verdict depends on: a routed call must match a qualified key exactly."""
@@ -18,6 +20,7 @@ class ShapeKey(NamedTuple):
     dtype: str
     device: str
     mask_kind: str
+    mask_structure: MaskInfo | None  # the classified structure, for kinds a form builds from
     mask_shape: tuple[int, ...] | None
     mask_dtype: str | None
     is_causal: bool
@@ -31,6 +34,9 @@ class ShapeKey(NamedTuple):
         if self.is_causal:
             text += " causal"
         return text
+
+
+_UNSTRUCTURED = ("none", "all_pass", "arbitrary")
 
 
 def _dims(shape: tuple[int, ...]) -> str:
@@ -55,8 +61,12 @@ class AttentionCall:
     enable_gqa: bool
     dropout_p: float
     layout: str
-    mask_kind: str
+    mask: MaskInfo
     host_only: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def mask_kind(self) -> str:
+        return self.mask.kind
 
     @property
     def head_dim(self) -> int:
@@ -82,7 +92,8 @@ class AttentionCall:
             v=self.host_shape(self.value),
             dtype=str(self.query.dtype).removeprefix("torch."),
             device=str(self.query.device),
-            mask_kind=self.mask_kind,
+            mask_kind=self.mask.kind,
+            mask_structure=self.mask if self.mask.kind not in _UNSTRUCTURED else None,
             mask_shape=tuple(m.shape) if m is not None else None,
             mask_dtype=str(m.dtype).removeprefix("torch.") if m is not None else None,
             is_causal=self.is_causal,

@@ -120,7 +120,7 @@ def test_all_pass_mask_dropped_and_padding_mask_refused():
     plan = attach(host.model, padded, min_speedup=0)
     cross = plan.site("transformer_blocks.0.attn2#0")
     assert cross.outcome == "refused"
-    assert cross.reason == "sdpa_dense: mask arbitrary not in [none, all_pass] at q=(2,32,2,8)"
+    assert cross.reason == "sdpa_dense: mask key_padding not in [none, all_pass] at q=(2,32,2,8)"
     assert plan.site("transformer_blocks.0.attn1#0").outcome == "bound"
     detach(plan)
 

@@ -26,7 +26,7 @@ from flash_catalog.forms.sdpa_dense import SdpaDense  # noqa: E402
 from flash_catalog.binder import default_catalog  # noqa: E402
 from flash_catalog.calls import AttentionCall  # noqa: E402
 from flash_catalog.gate import measure_accuracy  # noqa: E402
-from flash_catalog.masks import classify_mask  # noqa: E402
+from flash_catalog.masks import describe_mask  # noqa: E402
 
 
 class Site(torch.nn.Module):
@@ -75,7 +75,7 @@ def bench_site(label: str, site: Site, kwargs: dict, flops: float) -> dict:
     print(plan, flush=True)
 
     call = AttentionCall(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, False, None, False,
-                         0.0, "bshd", classify_mask(mask))
+                         0.0, "bshd", describe_mask(mask))
     form = SdpaDense(next(s for s in default_catalog().specs if s.name == "sdpa_dense"))
     runner = form.runner(call)
     with torch.no_grad():

@@ -4,18 +4,17 @@ from __future__ import annotations
 
 from torch import nn
 
-from .diffusers import DiffusersAdapter
 from .base import Adapter
+from .diffusers import DiffusersAdapter
+from .torch_sdpa import TorchSdpaAdapter
+from .transformers import TransformersAdapter
 
-ADAPTERS: tuple[Adapter, ...] = (DiffusersAdapter(),)
+ADAPTERS: tuple[Adapter, ...] = (DiffusersAdapter(), TransformersAdapter(), TorchSdpaAdapter())
+"""Tried in order; the generic SDPA adapter takes any module, its sites are found by calibration."""
 
 
 def pick_adapter(model: nn.Module) -> Adapter:
-    """The first adapter that finds attention sites in the model."""
+    """The first adapter that finds attention sites in the model (the generic one always does)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"attach expects a torch.nn.Module, got {type(model).__name__}")
-    for adapter in ADAPTERS:
-        if adapter.find_sites(model):
-            return adapter
-    raise ValueError(f"no adapter finds attention sites in {type(model).__name__}; supported hosts: "
-                     f"{', '.join(a.name for a in ADAPTERS)}")
+    return next(a for a in ADAPTERS if a.find_sites(model))

@@ -17,6 +17,11 @@ from .router import DISPATCH_SIGNATURE, SDPA_SIGNATURE
 
 class DiffusersAdapter:
     name = "diffusers"
+    hooks = True
+    discovered = False
+
+    def uncalled_reason(self, model: nn.Module) -> str:
+        return "not called during calibration"
 
     def find_sites(self, model: nn.Module) -> dict[str, nn.Module]:
         return {path: m for path, m in model.named_modules()

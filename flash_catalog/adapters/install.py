@@ -15,15 +15,17 @@ from .router import AttentionRouter
 class Installation:
     router: AttentionRouter
     patches: list[GlobalPatch]
-    handles: list[RemovableHandle] = field(default_factory=list)
+    handles: dict[str, list[RemovableHandle]] = field(default_factory=dict)
     installed: bool = False
 
     def install(self, modules: dict[str, nn.Module]) -> None:
         """Hooks first, then patches; on failure nothing stays installed."""
         try:
             for path, module in modules.items():
-                self.handles.append(module.register_forward_pre_hook(_enter(self.router, path)))
-                self.handles.append(module.register_forward_hook(_leave(self.router, path), always_call=True))
+                self.handles[path] = [
+                    module.register_forward_pre_hook(_enter(self.router, path)),
+                    module.register_forward_hook(_leave(self.router, path), always_call=True),
+                ]
             apply_all(self.patches)
         except BaseException:
             self._remove_hooks()
@@ -39,10 +41,14 @@ class Installation:
         self.router.stop()
         self.installed = False
 
+    def prune(self, keep: set[str]) -> None:
+        """Remove the hooks of modules that are not sites (seen making no attention call)."""
+        for path in [p for p in self.handles if p not in keep]:
+            for handle in self.handles.pop(path):
+                handle.remove()
+
     def _remove_hooks(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
+        self.prune(set())
 
 
 def _enter(router: AttentionRouter, path: str):

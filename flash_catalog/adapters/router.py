@@ -100,6 +100,22 @@ class AttentionRouter:
         routed_attention.__wrapped__ = original  # type: ignore[attr-defined]
         return routed_attention
 
+    def framing(self, original: Callable[..., Any], paths: dict[int, str]) -> Callable[..., Any]:
+        """Wrap an attention interface whose first argument is the attention module: it opens the frame."""
+
+        def framed_attention(module: Any, *args: Any, **kwargs: Any) -> Any:
+            path = paths.get(id(module))
+            if path is None or self.mode == "off":
+                return original(module, *args, **kwargs)
+            self.enter(path)
+            try:
+                return original(module, *args, **kwargs)
+            finally:
+                self.leave(path)
+
+        framed_attention.__wrapped__ = original  # type: ignore[attr-defined]
+        return framed_attention
+
     def dispatch(self, original: Callable[..., torch.Tensor], sig: CallSignature,
                  args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         frame = self._stack[-1] if self._stack else None
@@ -163,7 +179,7 @@ class AttentionRouter:
             query=q, key=k, value=v, attn_mask=mask,
             is_causal=bool(a["is_causal"]), scale=a["scale"], enable_gqa=bool(a["enable_gqa"]),
             dropout_p=float(a["dropout_p"]), layout=sig.layout,
-            mask_kind=self.masks.classify(mask),
+            mask=self.masks.describe(mask),
             host_only={name: a.get(name) for name in sig.host_only},
         )
         return call, None

@@ -1,0 +1,330 @@
+"""SageAttention2 quantisation kernels: K smoothing, per-block INT8 Q/K, per-channel FP8 V staged transposed."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.0 / math.log(2.0)
+INT8_MAX = 127.0
+FP8_E4M3_MAX = 448.0
+AMAX_FLOOR = 1e-30  # an all-zero block or channel gets this max, so 1/scale stays finite
+PV_MODES = ("fp8", "fp16")
+HEAD_DIMS = (64, 128)
+DTYPES = (torch.float16, torch.bfloat16)
+STATS_CHUNK = 1024  # tokens per program in the K-mean / V-amax pass
+STATS_SUB = 64      # tokens per inner step of that pass
+
+
+def interpreter_active() -> bool:
+    """True when Triton runs kernels through its CPU interpreter (TRITON_INTERPRET=1)."""
+    knobs = getattr(triton, "knobs", None)
+    runtime = getattr(knobs, "runtime", None) if knobs is not None else None
+    if runtime is not None and hasattr(runtime, "interpret"):
+        return bool(runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _staging(key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every staging buffer comes from here; a per-shape pool can replace this body without touching callers."""
+    del key  # the name the buffer would be pooled under: "q8", "q_scale", "k8", ...
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+def validate_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pv: str = "fp8",
+                    scale: float | None = None) -> None:
+    """Raise ValueError naming the bad input and the allowed values; return None when the call can run."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (batch, heads, seq, head_dim); got {t.dim()}-D shape {tuple(t.shape)}")
+        if t.dtype not in DTYPES:
+            raise ValueError(f"{name}.dtype is {t.dtype}; allowed: torch.float16, torch.bfloat16")
+        if t.shape[-1] not in HEAD_DIMS:
+            raise ValueError(f"{name} head_dim (last dim) is {t.shape[-1]}; allowed: 64, 128")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); allowed: one of "
+                         "torch.float16, torch.bfloat16 for all three")
+    if not (q.shape[-1] == k.shape[-1] == v.shape[-1]):
+        raise ValueError(f"head_dim differs: q {q.shape[-1]}, k {k.shape[-1]}, v {v.shape[-1]}; "
+                         "allowed: the same 64 or 128 for all three")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes differ ({tuple(k.shape)} vs {tuple(v.shape)}); allowed: equal shapes")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"batch differs: q {q.shape[0]}, k {k.shape[0]}; allowed: equal batch sizes")
+    hq, hkv = q.shape[1], k.shape[1]
+    if hkv < 1 or hq % hkv != 0:
+        raise ValueError(f"k/v heads ({hkv}) must divide q heads ({hq}) for GQA; allowed: q heads a multiple "
+                         "of k/v heads")
+    if k.shape[2] < 1:
+        raise ValueError(f"k sequence length is {k.shape[2]}; allowed: at least 1 key")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v are on different devices ({q.device}, {k.device}, {v.device}); allowed: one device")
+    if q.device.type != "cuda" and not (q.device.type == "cpu" and interpreter_active()):
+        raise ValueError(f"q.device is {q.device}; allowed: cuda, or cpu with TRITON_INTERPRET=1 set before "
+                         "triton is imported")
+    if pv not in PV_MODES:
+        raise ValueError(f"pv is {pv!r}; allowed: 'fp8', 'fp16'")
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"scale is {scale!r}; allowed: None or a finite float > 0")
+
+
+@dataclass(frozen=True)
+class Sage2Staged:
+    """Quantised operands for one attention call (all staging buffers are zero-padded to whole blocks)."""
+
+    q8: torch.Tensor         # (B, Hq, Sq_pad, D) int8
+    q_scale: torch.Tensor    # (B, Hq, Sq_pad // block_m) fp32, includes softmax scale * log2(e)
+    k8: torch.Tensor         # (B, Hkv, Skv_pad, D) int8 of K - mean_tokens(K)
+    k_scale: torch.Tensor    # (B, Hkv, Skv_pad // block_n) fp32
+    v: torch.Tensor          # pv="fp8": (B, Hkv, D, Skv_pad) float8_e4m3fn (V^T); pv="fp16": the caller's V, untouched
+    v_scale: torch.Tensor | None  # pv="fp8": (B, Hkv, D) fp32, amax/448 per channel; else None
+    pv: str
+    block_m: int
+    block_n: int
+    seq_q: int
+    seq_kv: int
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def round_to_e4m3(x):
+    """Round fp32 x (|x| <= 448) to the nearest-even e4m3 value, in fp32 arithmetic.
+
+    Only used under the interpreter: its fp32->fp8 cast rounds half-up, truncates subnormals and, when rounding
+    carries into an odd exponent, halves the value. Casting an already representable value is exact there."""
+    bits = x.to(tl.int32, bitcast=True)
+    expo = tl.maximum((bits >> 23) & 0xFF, 127 - 6)          # e4m3 subnormals share the ulp of 2^-6
+    ulp = ((expo - 3) << 23).to(tl.float32, bitcast=True)    # 3 mantissa bits
+    y = x / ulp                                              # exact: ulp is a power of two
+    y = (y + 12582912.0) - 12582912.0                        # 1.5 * 2^23: round half to even
+    return y * ulp
+
+
+@triton.jit
+def round_to_bf16(x):
+    """Round fp32 to the nearest-even bf16 value, in fp32 (the interpreter's fp32->bf16 cast truncates)."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _kv_stats_kernel(K, V, KSUM, VMAX,
+                     stride_kb, stride_kh, stride_ks, stride_kd,
+                     stride_vb, stride_vh, stride_vs, stride_vd,
+                     H_KV, SEQ_KV, N_CHUNKS,
+                     CHUNK: tl.constexpr, SUB: tl.constexpr, HEAD_DIM: tl.constexpr, WITH_V: tl.constexpr):
+    """Per chunk of CHUNK tokens of one (batch, kv head): partial sum of K and partial max|V| per channel."""
+    pid_c = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H_KV
+    h = pid_bh % H_KV
+    offs_s = tl.arange(0, SUB)
+    offs_d = tl.arange(0, HEAD_DIM)
+    k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
+    ksum = tl.zeros([SUB, HEAD_DIM], dtype=tl.float32)
+    vmax = tl.zeros([SUB, HEAD_DIM], dtype=tl.float32)
+    start = pid_c * CHUNK
+    for i in range(0, CHUNK, SUB):  # constexpr bounds (the interpreter cannot take tensor loop bounds)
+        rows = start + i + offs_s
+        m = (rows < SEQ_KV)[:, None]
+        kk = tl.load(k_base + rows[:, None].to(tl.int64) * stride_ks + offs_d[None, :] * stride_kd, mask=m, other=0.0)
+        ksum += kk.to(tl.float32)
+        if WITH_V:
+            vv = tl.load(v_base + rows[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd, mask=m,
+                         other=0.0)
+            vmax = tl.maximum(vmax, tl.abs(vv.to(tl.float32)))
+    out = (pid_bh * N_CHUNKS + pid_c).to(tl.int64) * HEAD_DIM + offs_d
+    tl.store(KSUM + out, tl.sum(ksum, 0))
+    if WITH_V:
+        tl.store(VMAX + out, tl.max(vmax, 0))
+
+
+@triton.jit
+def _finalize_step(KSUM, VMAX, ksum, vmax, base, c0, N_CHUNKS, offs_c, offs_d,
+                   HEAD_DIM: tl.constexpr, WITH_V: tl.constexpr):
+    rows = c0 + offs_c
+    m = (rows < N_CHUNKS)[:, None]
+    ptr = base + rows[:, None] * HEAD_DIM + offs_d[None, :]
+    ksum += tl.load(KSUM + ptr, mask=m, other=0.0)
+    if WITH_V:
+        vmax = tl.maximum(vmax, tl.load(VMAX + ptr, mask=m, other=0.0))
+    return ksum, vmax
+
+
+@triton.jit
+def _kv_stats_finalize_kernel(KSUM, VMAX, KMEAN, VSCALE, VINV, N_CHUNKS, SEQ_KV,
+                              BLOCK_C: tl.constexpr, HEAD_DIM: tl.constexpr, WITH_V: tl.constexpr,
+                              INTERPRETED: tl.constexpr):
+    """Reduce the chunk partials of one (batch, kv head): mean of K, and V's per-channel scale and 1/scale."""
+    pid_bh = tl.program_id(0)
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_d = tl.arange(0, HEAD_DIM)
+    base = pid_bh.to(tl.int64) * N_CHUNKS * HEAD_DIM
+    ksum = tl.zeros([BLOCK_C, HEAD_DIM], dtype=tl.float32)
+    vmax = tl.zeros([BLOCK_C, HEAD_DIM], dtype=tl.float32)
+    if INTERPRETED:  # see _attn_blocks: a while loop, as the interpreter cannot take tensor bounds in range()
+        c0 = 0
+        while c0 < N_CHUNKS:
+            ksum, vmax = _finalize_step(KSUM, VMAX, ksum, vmax, base, c0, N_CHUNKS, offs_c, offs_d, HEAD_DIM, WITH_V)
+            c0 += BLOCK_C
+    else:
+        for c0 in range(0, N_CHUNKS, BLOCK_C):
+            ksum, vmax = _finalize_step(KSUM, VMAX, ksum, vmax, base, c0, N_CHUNKS, offs_c, offs_d, HEAD_DIM, WITH_V)
+    out = pid_bh.to(tl.int64) * HEAD_DIM + offs_d
+    # div_rn: correctly rounded, so GPU, interpreter and the torch reference agree bit for bit on the scales.
+    tl.store(KMEAN + out, tl.math.div_rn(tl.sum(ksum, 0), tl.zeros_like(offs_d).to(tl.float32) + SEQ_KV))
+    if WITH_V:
+        amax = tl.maximum(tl.max(vmax, 0), 1e-30)
+        tl.store(VSCALE + out, tl.math.div_rn(amax, tl.full([HEAD_DIM], 448.0, tl.float32)))
+        tl.store(VINV + out, tl.math.div_rn(tl.full([HEAD_DIM], 448.0, tl.float32), amax))
+
+
+@triton.jit
+def _quant_int8_kernel(X, MEAN, XQ, XS,
+                       stride_xb, stride_xh, stride_xs, stride_xd,
+                       H, SEQ, SEQ_PAD, N_BLOCKS, scale_mult,
+                       BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, SUB_MEAN: tl.constexpr):
+    """One block of BLOCK tokens of one (batch, head): optional mean subtraction, then symmetric INT8 with one scale.
+
+    Rows past SEQ are written as zeros (the attention kernel reads the padded buffer without masks); the stored
+    scale is max|x|/127 * scale_mult (scale_mult folds the softmax scale and log2(e) into Q's scale)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    rows = pid_m * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    valid = (rows < SEQ)[:, None]
+    ptr = X + b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh \
+        + rows[:, None].to(tl.int64) * stride_xs + offs_d[None, :] * stride_xd
+    x = tl.load(ptr, mask=valid, other=0.0).to(tl.float32)
+    if SUB_MEAN:
+        mean = tl.load(MEAN + pid_bh.to(tl.int64) * HEAD_DIM + offs_d)
+        x = tl.where(valid, x - mean[None, :], 0.0)
+    amax = tl.maximum(tl.max(tl.max(tl.abs(x), 1), 0), 1e-30)
+    inv = tl.math.div_rn(tl.full([], 127.0, tl.float32), amax)   # correctly rounded (a plain / is not on GPUs)
+    y = x * inv
+    y = y + tl.where(y >= 0, 0.5, -0.5)   # round half away from zero; the int cast truncates
+    xq = y.to(tl.int8)
+    out = XQ + pid_bh.to(tl.int64) * SEQ_PAD * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :]
+    tl.store(out, xq)
+    tl.store(XS + pid_bh.to(tl.int64) * N_BLOCKS + pid_m,
+             tl.math.div_rn(amax, tl.full([], 127.0, tl.float32)) * scale_mult)
+
+
+@triton.jit
+def _quant_v_fp8_kernel(V, VINV, VT8,
+                        stride_vb, stride_vh, stride_vs, stride_vd,
+                        H_KV, SEQ_KV, SEQ_PAD,
+                        BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr, INTERPRETED: tl.constexpr):
+    """One block of BLOCK_T tokens of one (batch, kv head): per-channel FP8 e4m3, stored transposed as V^T[d, t]."""
+    pid_t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H_KV
+    h = pid_bh % H_KV
+    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, HEAD_DIM)
+    valid = (rows < SEQ_KV)[:, None]
+    ptr = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh \
+        + rows[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd
+    x = tl.load(ptr, mask=valid, other=0.0).to(tl.float32)
+    inv = tl.load(VINV + pid_bh.to(tl.int64) * HEAD_DIM + offs_d)
+    y = tl.minimum(tl.maximum(x * inv[None, :], -448.0), 448.0)
+    if INTERPRETED:  # make the fp8 cast exact: the interpreter's own fp32->e4m3 rounding is wrong
+        y = round_to_e4m3(y)
+    yt = tl.trans(y.to(tl.float8e4nv))                                     # [HEAD_DIM, BLOCK_T]
+    out = VT8 + pid_bh.to(tl.int64) * HEAD_DIM * SEQ_PAD + offs_d[:, None] * SEQ_PAD + rows[None, :]
+    tl.store(out, yt)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Python entry
+# --------------------------------------------------------------------------------------------------------------------
+
+def _cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
+                 pv: str = "fp8", block_m: int = 128, block_n: int = 64, num_warps: int | None = None,
+                 validate: bool = True) -> Sage2Staged:
+    """Stage q, k, v for the SageAttention2 kernel; reads each input once (K and V twice: stats, then quantise).
+
+    The caller's tensors are only read. `block_m`/`block_n` must match the attention kernel's tiles: the
+    Q and K scales are per tile."""
+    if validate:
+        validate_inputs(q, k, v, pv=pv, scale=sm_scale)
+    for name, blk in (("block_m", block_m), ("block_n", block_n)):
+        if not (isinstance(blk, int) and _is_pow2(blk) and 16 <= blk <= 256):
+            raise ValueError(f"{name} is {blk!r}; allowed: a power of two in [16, 256]")
+    bsz, hq, sq, d = q.shape
+    hkv, skv = k.shape[1], k.shape[2]
+    dev = q.device
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(d)
+    sq_pad = max(_cdiv(sq, block_m), 1) * block_m
+    skv_pad = _cdiv(skv, block_n) * block_n
+    n_qb, n_kb = sq_pad // block_m, skv_pad // block_n
+    warps = num_warps if num_warps is not None else (8 if d == 128 else 4)
+    exact = interpreter_active()
+    with_v = pv == "fp8"
+
+    # 1) K mean and V per-channel amax: chunk partials, then a per-head reduction (deterministic, no atomics).
+    n_chunks = _cdiv(skv, STATS_CHUNK)
+    ksum = _staging("k_sum_partial", (bsz * hkv, n_chunks, d), torch.float32, dev)
+    vmax = _staging("v_amax_partial", (bsz * hkv, n_chunks, d), torch.float32, dev) if with_v else ksum
+    _kv_stats_kernel[(n_chunks, bsz * hkv)](
+        k, v, ksum, vmax, *k.stride(), *v.stride(), hkv, skv, n_chunks,
+        CHUNK=STATS_CHUNK, SUB=STATS_SUB, HEAD_DIM=d, WITH_V=with_v, num_warps=4)
+    k_mean = _staging("k_mean", (bsz, hkv, d), torch.float32, dev)
+    if with_v:
+        v_scale = _staging("v_scale", (bsz, hkv, d), torch.float32, dev)
+        v_inv = _staging("v_inv", (bsz, hkv, d), torch.float32, dev)
+    else:
+        v_scale = v_inv = k_mean
+    _kv_stats_finalize_kernel[(bsz * hkv,)](
+        ksum, vmax, k_mean, v_scale, v_inv, n_chunks, skv,
+        BLOCK_C=16, HEAD_DIM=d, WITH_V=with_v, INTERPRETED=exact, num_warps=4)
+
+    # 2) Q: per-block INT8, softmax scale * log2(e) folded into the scale.
+    q8 = _staging("q8", (bsz, hq, sq_pad, d), torch.int8, dev)
+    q_scale = _staging("q_scale", (bsz, hq, n_qb), torch.float32, dev)
+    _quant_int8_kernel[(n_qb, bsz * hq)](
+        q, q, q8, q_scale, *q.stride(), hq, sq, sq_pad, n_qb, float(sm_scale) * LOG2E,
+        BLOCK=block_m, HEAD_DIM=d, SUB_MEAN=False, num_warps=warps)
+
+    # 3) K: subtract the token mean (softmax is invariant to it), per-block INT8.
+    k8 = _staging("k8", (bsz, hkv, skv_pad, d), torch.int8, dev)
+    k_scale = _staging("k_scale", (bsz, hkv, n_kb), torch.float32, dev)
+    _quant_int8_kernel[(n_kb, bsz * hkv)](
+        k, k_mean, k8, k_scale, *k.stride(), hkv, skv, skv_pad, n_kb, 1.0,
+        BLOCK=block_n, HEAD_DIM=d, SUB_MEAN=True, num_warps=warps)
+
+    # 4) V: per-channel FP8 e4m3, staged as V^T (K-major B operand of the P.V MMA); fp16 mode reads V directly.
+    if with_v:
+        vt8 = _staging("vt8", (bsz, hkv, d, skv_pad), torch.float8_e4m3fn, dev)
+        _quant_v_fp8_kernel[(n_kb, bsz * hkv)](
+            v, v_inv, vt8, *v.stride(), hkv, skv, skv_pad,
+            BLOCK_T=block_n, HEAD_DIM=d, INTERPRETED=exact, num_warps=warps)
+        v_out, v_scale_out = vt8, v_scale
+    else:
+        v_out, v_scale_out = v, None
+    return Sage2Staged(q8=q8, q_scale=q_scale, k8=k8, k_scale=k_scale, v=v_out, v_scale=v_scale_out, pv=pv,
+                       block_m=block_m, block_n=block_n, seq_q=sq, seq_kv=skv)

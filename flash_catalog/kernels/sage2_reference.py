@@ -1,0 +1,133 @@
+"""Torch-only references: exact fp64 attention, and an emulation of the SageAttention2 kernel's quantised algorithm.
+
+The emulation quantises exactly as the Triton kernels do (fp32 arithmetic, the same tiles, round-half-away INT8,
+round-to-nearest-even FP8 e4m3) and then runs the same block-by-block online softmax in float64, so the
+kernel's output should match it to within fp32 rounding and the final cast to the output dtype."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+LOG2E = 1.0 / math.log(2.0)
+AMAX_FLOOR = 1e-30
+
+
+def _expand_kv(x: torch.Tensor, hq: int) -> torch.Tensor:
+    return x.repeat_interleave(hq // x.shape[1], dim=1) if x.shape[1] != hq else x
+
+
+def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+                    is_causal: bool = False) -> torch.Tensor:
+    """softmax(q k^T * scale) v in float64, GQA by repeating kv heads, causal mask top-left aligned (as SDPA)."""
+    hq, sq, d = q.shape[1], q.shape[2], q.shape[3]
+    skv = k.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    q64, k64, v64 = q.double(), _expand_kv(k.double(), hq), _expand_kv(v.double(), hq)
+    s = (q64 @ k64.transpose(-1, -2)) * scale
+    if is_causal:
+        keep = torch.arange(skv, device=q.device)[None, :] <= torch.arange(sq, device=q.device)[:, None]
+        s = s.masked_fill(~keep, float("-inf"))
+    return torch.softmax(s, dim=-1) @ v64
+
+
+def _quant_int8_blocks(x: torch.Tensor, block: int, scale_mult: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: (B, H, S, D) fp32 with invalid rows already zero. Returns int8 (B, H, S_pad, D) and fp32 (B, H, nb)."""
+    b, h, s, d = x.shape
+    nb = max((s + block - 1) // block, 1)
+    xp = torch.zeros((b, h, nb * block, d), dtype=torch.float32, device=x.device)
+    xp[:, :, :s] = x
+    xb = xp.view(b, h, nb, block, d)
+    amax = xb.abs().amax(dim=(3, 4)).clamp_min(AMAX_FLOOR)
+    inv = torch.full_like(amax, 127.0) / amax            # tensor/tensor: torch turns scalar/tensor into 1/x * s
+    y = xb * inv[..., None, None]
+    y = y + torch.where(y >= 0, 0.5, -0.5).to(torch.float32)
+    xq = y.trunc().to(torch.int8).view(b, h, nb * block, d)
+    scale = (amax / torch.full_like(amax, 127.0)) * torch.tensor(scale_mult, dtype=torch.float32, device=x.device)
+    return xq, scale
+
+
+def reference_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
+                       pv: str = "fp8", block_m: int = 128, block_n: int = 64) -> dict[str, torch.Tensor | None]:
+    """The staging buffers `quantize_qkv` produces, computed with torch (same layouts, zero padding included)."""
+    d = q.shape[-1]
+    skv = k.shape[2]
+    sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    q8, q_scale = _quant_int8_blocks(q.float(), block_m, sm_scale * LOG2E)
+    k32 = k.float()
+    k_mean = k32.mean(dim=2, keepdim=True)
+    k8, k_scale = _quant_int8_blocks(k32 - k_mean, block_n, 1.0)
+    out: dict[str, torch.Tensor | None] = {"q8": q8, "q_scale": q_scale, "k8": k8, "k_scale": k_scale,
+                                           "k_mean": k_mean.squeeze(2)}
+    if pv == "fp8":
+        v32 = v.float()
+        amax = v32.abs().amax(dim=2).clamp_min(AMAX_FLOOR)                  # (B, Hkv, D)
+        inv = torch.full_like(amax, 448.0) / amax
+        y = (v32 * inv[:, :, None, :]).clamp(-448.0, 448.0)
+        v8 = y.to(torch.float8_e4m3fn)                                      # round to nearest even
+        skv_pad = k8.shape[2]
+        vt8 = torch.zeros((v.shape[0], v.shape[1], d, skv_pad), dtype=torch.float8_e4m3fn, device=v.device)
+        vt8[:, :, :, :skv] = v8.transpose(2, 3)
+        out.update(vt8=vt8, v_scale=amax / torch.full_like(amax, 448.0))
+    else:
+        out.update(vt8=None, v_scale=None)
+    return out
+
+
+def sage2_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+                    pv: str = "fp8", is_causal: bool = False, block_m: int = 128, block_n: int = 64,
+                    staged: dict | None = None) -> torch.Tensor:
+    """Emulate the Triton kernel: returns float64 (B, Hq, Sq, D). `staged` may pass `reference_quantize`'s result
+    (or the kernel's own staging, converted to the same dict) to isolate the attention part."""
+    bsz, hq, sq, d = q.shape
+    skv = k.shape[2]
+    st = staged if staged is not None else reference_quantize(q, k, v, sm_scale=scale, pv=pv, block_m=block_m,
+                                                              block_n=block_n)
+    q8 = st["q8"].double()
+    q_scale = st["q_scale"]
+    k8 = _expand_kv(st["k8"], hq).double()
+    k_scale = _expand_kv(st["k_scale"], hq)
+    if pv == "fp8":
+        vv = _expand_kv(st["vt8"], hq).double().transpose(2, 3)               # (B, Hq, Skv_pad, D)
+        v_scale = _expand_kv(st["v_scale"], hq).double()                     # (B, Hq, D)
+    else:
+        vv = _expand_kv(v.float().to(torch.float16), hq).double()            # (B, Hq, Skv, D)
+        v_scale = None
+    n_qb = q8.shape[2] // block_m
+    out = torch.empty((bsz, hq, n_qb * block_m, d), dtype=torch.float64, device=q.device)
+    for i in range(n_qb):
+        rows = torch.arange(i * block_m, (i + 1) * block_m, device=q.device)
+        qb = q8[:, :, i * block_m:(i + 1) * block_m]
+        hi = min(skv, (i + 1) * block_m) if is_causal else skv
+        m = torch.full((bsz, hq, block_m), float("-inf"), dtype=torch.float64, device=q.device)
+        l = torch.zeros((bsz, hq, block_m), dtype=torch.float64, device=q.device)
+        acc = torch.zeros((bsz, hq, block_m, d), dtype=torch.float64, device=q.device)
+        for j in range((hi + block_n - 1) // block_n):
+            cols = torch.arange(j * block_n, (j + 1) * block_n, device=q.device)
+            kb = k8[:, :, j * block_n:(j + 1) * block_n]
+            sc = (q_scale[:, :, i] * k_scale[:, :, j]).double()                # fp32 product, as the kernel
+            s = (qb @ kb.transpose(-1, -2)) * sc[:, :, None, None]
+            keep = cols[None, :] < skv
+            if is_causal:
+                keep = keep & (cols[None, :] <= rows[:, None])
+            s = s.masked_fill(~keep, float("-inf"))
+            m_new = torch.maximum(m, s.amax(dim=-1))
+            alpha = torch.exp2(m - m_new)
+            p = torch.exp2(s - m_new[..., None])
+            l = l * alpha + p.sum(dim=-1)
+            vb = vv[:, :, j * block_n:min((j + 1) * block_n, vv.shape[2])]
+            if pv == "fp8":
+                pq = (p * 448.0).float().to(torch.float8_e4m3fn).double()
+                blk = pq @ vb
+            else:
+                pq = p.float().to(torch.float16).double()
+                if vb.shape[2] < block_n:                                     # V unpadded in fp16 mode
+                    vb = torch.cat([vb, vb.new_zeros(bsz, hq, block_n - vb.shape[2], d)], dim=2)
+                blk = pq @ vb
+            acc = acc * alpha[..., None] + blk
+            m = m_new
+        if v_scale is not None:
+            acc = acc * (v_scale / 448.0)[:, :, None, :]
+        out[:, :, i * block_m:(i + 1) * block_m] = acc / l[..., None]
+    return out[:, :, :sq]

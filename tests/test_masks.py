@@ -1,0 +1,349 @@
+"""Property tests of the mask classifier: generated structures are recognised with the right details,
+and every description rebuilds exactly the mask it came from."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from flash_catalog import masks
+from flash_catalog.masks import (
+    ALL_PASS, ARBITRARY, BLOCK_DIAGONAL, CAUSAL, KEY_PADDING, NONE, SLIDING_WINDOW,
+    MaskCache, MaskInfo, classify_mask, describe_mask,
+)
+
+SETTINGS = settings(max_examples=40, deadline=None)
+FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+BLOCKED = ("-inf", "min", "-1e4")
+
+
+# -- builders -----------------------------------------------------------------------------------------
+
+def groups_mask(sizes: list[int], rule: str = "none", covariate: list[bool] | None = None) -> torch.Tensor:
+    """(S, S) bool block-diagonal mask of the given group sizes, with an in-group rule."""
+    gid = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    m = gid[:, None] == gid[None, :]
+    if rule == "causal":
+        m &= torch.ones_like(m).tril()
+    elif rule == "covariate_target":
+        cov = torch.tensor(covariate)
+        m &= ~(cov[:, None] & ~cov[None, :])  # covariate rows do not see target columns
+    return m
+
+
+def offsets_of(sizes: list[int]) -> tuple[int, ...]:
+    return tuple(torch.tensor([0] + sizes).cumsum(0).tolist())
+
+
+def additive(m: torch.Tensor, dtype: torch.dtype, blocked: str) -> torch.Tensor:
+    value = {"-inf": float("-inf"), "min": torch.finfo(dtype).min, "-1e4": -1e4}[blocked]
+    return torch.zeros(m.shape, dtype=dtype).masked_fill(~m, value)
+
+
+def as_bool(mask: torch.Tensor) -> torch.Tensor:
+    return mask if mask.dtype == torch.bool else mask == 0
+
+
+def materialize(info: MaskInfo, b: int, sq: int, skv: int) -> torch.Tensor:
+    """(b, sq, skv) bool mask a description stands for: the reference semantics of MaskInfo."""
+    i, j = torch.arange(sq)[:, None], torch.arange(skv)[None, :]
+    if info.kind == ALL_PASS:
+        return torch.ones(b, sq, skv, dtype=torch.bool)
+    if info.kind == KEY_PADDING:
+        return torch.tensor(info.key_valid)[:, None, :].expand(b, sq, skv)
+    if info.kind == CAUSAL:
+        return (j <= i).expand(b, sq, skv)
+    if info.kind == SLIDING_WINDOW:
+        left, right = info.window
+        return ((j >= i - left) & (j <= i + right)).expand(b, sq, skv)
+    assert info.kind == BLOCK_DIAGONAL and sq == skv
+    out = []
+    for n, offs in enumerate(info.offsets):
+        sizes = torch.tensor(offs).diff()
+        gid = torch.repeat_interleave(torch.arange(len(sizes)), sizes)
+        m = gid[:, None] == gid[None, :]
+        if info.group_rule == "causal":
+            m &= j <= i
+        elif info.group_rule == "covariate_target":
+            m &= ~(torch.tensor(info.covariate_rows[n])[:, None] & torch.tensor(info.target_cols[n])[None, :])
+        out.append(m)
+    return torch.stack(out).expand(b, sq, skv)
+
+
+def check_roundtrip(mask: torch.Tensor, info: MaskInfo) -> None:
+    """The description rebuilds the broadcast mask exactly (for every head) and flags empty rows right."""
+    full = as_bool(mask)
+    full = full.reshape((1,) * (4 - full.dim()) + full.shape)
+    b, h, sq, skv = full.shape
+    if info.kind != ARBITRARY:
+        assert torch.equal(materialize(info, b, sq, skv)[:, None].expand(b, h, sq, skv), full)
+    assert info.empty_rows == bool((~full.any(-1)).any())
+
+
+def sizes_st(max_total: int = 64) -> st.SearchStrategy[list[int]]:
+    """At least two groups, one bigger than 1 (all-singleton groups are the band of width 0)."""
+    return (st.lists(st.integers(1, 16), min_size=2, max_size=8)
+            .filter(lambda s: sum(s) <= max_total and max(s) >= 2))
+
+
+form_st = st.one_of(st.just(None), st.tuples(st.sampled_from(FLOATS), st.sampled_from(BLOCKED)))
+
+
+def in_form(m: torch.Tensor, form: tuple[torch.dtype, str] | None) -> torch.Tensor:
+    return m if form is None else additive(m, *form)
+
+
+# -- kinds ------------------------------------------------------------------------------------------
+
+def test_none_and_all_pass() -> None:
+    assert classify_mask(None) == NONE and describe_mask(None) == MaskInfo(NONE)
+    assert describe_mask(torch.ones(5, 7, dtype=torch.bool)) == MaskInfo(ALL_PASS)
+    assert describe_mask(torch.zeros(2, 3, 5, 5)) == MaskInfo(ALL_PASS)
+
+
+@SETTINGS
+@given(sizes=sizes_st(), rule=st.sampled_from(["none", "causal"]), form=form_st)
+def test_block_diagonal(sizes: list[int], rule: str, form) -> None:
+    mask = in_form(groups_mask(sizes, rule), form)
+    info = describe_mask(mask)
+    assert info.kind == BLOCK_DIAGONAL
+    assert info.offsets == (offsets_of(sizes),)
+    assert info.group_rule == rule
+    assert not info.empty_rows
+    check_roundtrip(mask, info)
+
+
+@SETTINGS
+@given(data=st.data(), sizes=sizes_st(), form=form_st)
+def test_block_diagonal_covariate_target(data: st.DataObject, sizes: list[int], form) -> None:
+    s = sum(sizes)
+    cov = data.draw(st.lists(st.booleans(), min_size=s, max_size=s))
+    m = groups_mask(sizes, "covariate_target", cov)
+    info = describe_mask(in_form(m, form))
+    assert info.kind == BLOCK_DIAGONAL and info.offsets == (offsets_of(sizes),)
+    # Canonical flags: covariate rows / target columns of the groups that hold both.
+    gid = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    c = torch.tensor(cov)
+    mixed = torch.tensor([bool(c[gid == g].any() and (~c[gid == g]).any()) for g in range(len(sizes))])[gid]
+    if torch.equal(m, groups_mask(sizes)):
+        assert info.group_rule == "none"
+    elif torch.equal(m, groups_mask(sizes, "causal")):
+        assert info.group_rule == "causal"  # e.g. (covariate, target) pairs: causal wins
+    else:
+        assert info.group_rule == "covariate_target"
+        assert info.covariate_rows == (tuple((c & mixed).tolist()),)
+        assert info.target_cols == (tuple((~c & mixed).tolist()),)
+    check_roundtrip(m, info)
+
+
+@SETTINGS
+@given(data=st.data(), b=st.integers(2, 4), s=st.integers(4, 48))
+def test_block_diagonal_per_batch_offsets(data: st.DataObject, b: int, s: int) -> None:
+    rows, offsets = [], []
+    for _ in range(b):
+        cuts = sorted(data.draw(st.sets(st.integers(1, s - 1), min_size=1, max_size=s - 2)))
+        offs = (0, *cuts, s)
+        sizes = torch.tensor(offs).diff().tolist()
+        assume(max(sizes) >= 2)
+        rows.append(groups_mask(sizes))
+        offsets.append(offs)
+    assume(len(set(offsets)) > 1)
+    mask = torch.stack(rows)[:, None]  # (B, 1, S, S)
+    info = describe_mask(mask)
+    assert info.kind == BLOCK_DIAGONAL and info.offsets == tuple(offsets) and info.group_rule == "none"
+    check_roundtrip(mask, info)
+
+
+@SETTINGS
+@given(data=st.data(), b=st.integers(1, 4), s=st.integers(2, 64), form=form_st)
+def test_key_padding_prefix(data: st.DataObject, b: int, s: int, form) -> None:
+    lengths = data.draw(st.lists(st.integers(1, s), min_size=b, max_size=b))
+    assume(min(lengths) < s)
+    valid = torch.arange(s)[None, :] < torch.tensor(lengths)[:, None]  # (B, S)
+    mask = in_form(valid[:, None, None, :], form)  # (B, 1, 1, S), the HF padding shape
+    info = describe_mask(mask)
+    assert info.kind == KEY_PADDING
+    if len(set(lengths)) == 1:
+        lengths = lengths[:1]  # one shared entry
+    assert info.key_lengths == tuple(lengths)
+    assert info.key_valid == tuple(tuple(r) for r in valid[: len(lengths)].tolist())
+    assert not info.empty_rows
+    # The same padding spelled out over the query rows and broadcast over heads.
+    full = in_form(valid[:, None, None, :].expand(b, 1, 7, s).contiguous(), form)
+    assert describe_mask(full) == info
+    check_roundtrip(mask, info)
+
+
+@SETTINGS
+@given(data=st.data(), s=st.integers(2, 64))
+def test_key_padding_not_prefix(data: st.DataObject, s: int) -> None:
+    valid = torch.tensor(data.draw(st.lists(st.booleans(), min_size=s, max_size=s)))
+    assume(not valid.all() and bool((valid[1:] & ~valid[:-1]).any()))  # some hole before a valid key
+    mask = valid.expand(s, s)
+    info = describe_mask(mask)
+    assert info.kind == KEY_PADDING and info.key_lengths is None
+    assert info.key_valid == (tuple(valid.tolist()),)
+    check_roundtrip(mask, info)
+
+
+@SETTINGS
+@given(sq=st.integers(2, 64), skv=st.integers(2, 64), form=form_st)
+def test_causal(sq: int, skv: int, form) -> None:
+    m = torch.ones(sq, skv, dtype=torch.bool).tril()  # SDPA is_causal: top-left aligned
+    mask = in_form(m, form)
+    info = describe_mask(mask)
+    assert info == MaskInfo(CAUSAL, empty_rows=False)
+    check_roundtrip(mask, info)
+
+
+@SETTINGS
+@given(s=st.integers(3, 64), w=st.integers(0, 70), causal=st.booleans(), form=form_st)
+def test_sliding_window(s: int, w: int, causal: bool, form) -> None:
+    d = torch.arange(s)[:, None] - torch.arange(s)[None, :]
+    m = ((d >= 0) & (d <= w)) if causal else (d.abs() <= w)
+    mask = in_form(m, form)
+    info = describe_mask(mask)
+    if w >= s - 1:
+        assert info.kind == (CAUSAL if causal else ALL_PASS)
+    else:
+        assert info.kind == SLIDING_WINDOW
+        assert info.window == ((w, 0) if causal else (w, w))
+    check_roundtrip(mask, info)
+
+
+@SETTINGS
+@given(sq=st.integers(1, 32), skv=st.integers(1, 32), data=st.data(), dtype=st.sampled_from(FLOATS))
+def test_real_bias_is_arbitrary(sq: int, skv: int, data: st.DataObject, dtype: torch.dtype) -> None:
+    seed = data.draw(st.integers(0, 2**31 - 1))
+    bias = (torch.rand(sq, skv, generator=torch.Generator().manual_seed(seed)) * 8 - 4).to(dtype)
+    assume(bool(((bias != 0) & (bias > -1e4)).any()))
+    assert describe_mask(bias) == MaskInfo(ARBITRARY, empty_rows=False)
+    # One real value in an otherwise structured additive mask is a bias too.
+    causal = additive(torch.ones(sq, skv, dtype=torch.bool).tril(), dtype, "-inf")
+    i, j = data.draw(st.integers(0, sq - 1)), data.draw(st.integers(0, skv - 1))
+    causal[i, j] = -0.5
+    assert classify_mask(causal) == ARBITRARY
+
+
+@SETTINGS
+@given(data=st.data(), s=st.integers(2, 48), kind=st.sampled_from(["causal", "groups", "random"]))
+def test_empty_rows(data: st.DataObject, s: int, kind: str) -> None:
+    if kind == "causal":
+        m = torch.ones(s, s, dtype=torch.bool).tril()
+    elif kind == "groups":
+        m = groups_mask([s // 2, s - s // 2])
+    else:
+        m = torch.tensor(data.draw(st.lists(st.booleans(), min_size=s * s, max_size=s * s))).view(s, s)
+    rows = data.draw(st.sets(st.integers(0, s - 1), min_size=1, max_size=s))
+    m[sorted(rows)] = False
+    for mask in (m, additive(m, torch.float32, "-inf")):
+        info = describe_mask(mask)
+        assert info.empty_rows
+        check_roundtrip(mask, info)
+
+
+def test_empty_rows_in_structured_kinds() -> None:
+    pad = torch.ones(2, 1, 1, 6, dtype=torch.bool)
+    pad[1] = False  # a batch row with no valid key
+    assert describe_mask(pad) == MaskInfo(KEY_PADDING, empty_rows=True, key_valid=((True,) * 6, (False,) * 6),
+                                          key_lengths=(6, 0))
+    band = torch.ones(8, 4, dtype=torch.bool).tril()  # Sq > Skv causal: no empty row
+    assert describe_mask(band).kind == CAUSAL and not describe_mask(band).empty_rows
+    d = torch.arange(8)[:, None] - torch.arange(4)[None, :]
+    window = (d >= 0) & (d <= 1)  # rows 5.. see nothing
+    info = describe_mask(window)
+    assert info.kind == SLIDING_WINDOW and info.window == (1, 0) and info.empty_rows
+    check_roundtrip(window, info)
+
+
+@SETTINGS
+@given(data=st.data(), sizes=sizes_st(48), base=st.sampled_from(["groups", "causal_groups", "causal", "band"]),
+       flips=st.integers(0, 3))
+def test_any_description_is_exact(data: st.DataObject, sizes: list[int], base: str, flips: int) -> None:
+    """Soundness: perturbed structures are classified as whatever they are, never as what they are not."""
+    s = sum(sizes)
+    d = torch.arange(s)[:, None] - torch.arange(s)[None, :]
+    m = {"groups": groups_mask(sizes), "causal_groups": groups_mask(sizes, "causal"),
+         "causal": d >= 0, "band": d.abs() <= sizes[0]}[base].clone()
+    for _ in range(flips):
+        i, j = data.draw(st.integers(0, s - 1)), data.draw(st.integers(0, s - 1))
+        m[i, j] = ~m[i, j]
+    check_roundtrip(m, describe_mask(m))
+
+
+# -- shapes -----------------------------------------------------------------------------------------
+
+@SETTINGS
+@given(sizes=sizes_st(), b=st.integers(1, 3), h=st.integers(1, 4), rule=st.sampled_from(["none", "causal"]))
+def test_broadcast_shapes(sizes: list[int], b: int, h: int, rule: str) -> None:
+    m = groups_mask(sizes, rule)
+    want = describe_mask(m)
+    assert want.kind == BLOCK_DIAGONAL
+    for mask in (m[None], m[None, None], m.expand(b, h, *m.shape), m.repeat(b, h, 1, 1)):
+        assert describe_mask(mask) == want
+        check_roundtrip(mask, want)
+
+
+def test_heads_or_batches_that_differ_are_arbitrary() -> None:
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    other = torch.ones(6, 6, dtype=torch.bool)
+    other[:, 4:] = False
+    assert classify_mask(torch.stack([causal, other])[None]) == ARBITRARY  # heads differ
+    assert classify_mask(torch.stack([causal, other])[:, None]) == ARBITRARY  # batches differ in kind
+    pad = torch.ones(1, 2, 1, 6, dtype=torch.bool)
+    pad[0, 1, 0, 5] = False
+    assert classify_mask(pad) == ARBITRARY  # key padding that differs per head
+    g = groups_mask([3, 3])
+    assert classify_mask(torch.stack([g, groups_mask([3, 3], "causal")])[:, None]) == ARBITRARY
+
+
+def test_other_dtypes_and_ranks() -> None:
+    assert classify_mask(torch.ones(4, 4, dtype=torch.int64)) == ARBITRARY
+    assert classify_mask(torch.ones(6, dtype=torch.bool)) == ALL_PASS
+    assert describe_mask(torch.tensor([True, True, False])).key_lengths == (2,)
+    assert classify_mask(torch.ones(1, 1, 1, 4, 4, dtype=torch.bool).tril()) == CAUSAL
+    assert classify_mask(torch.ones(2, 1, 1, 4, 4, dtype=torch.bool).tril()) == ARBITRARY
+
+
+# -- cache and cost ---------------------------------------------------------------------------------
+
+def test_cache_reuses_and_notices_in_place_changes(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real = masks.describe_mask
+    monkeypatch.setattr(masks, "describe_mask", lambda m: calls.append(1) or real(m))
+    cache = MaskCache()
+    mask = torch.ones(8, 8, dtype=torch.bool)
+    first = cache.describe(mask)
+    assert first.kind == ALL_PASS and cache.classify(mask) == ALL_PASS
+    assert cache.describe(mask) is first and len(calls) == 1
+    mask.tril_()  # in place: _version bumps
+    assert cache.classify(mask) == CAUSAL and len(calls) == 2
+    assert cache.classify(mask) == CAUSAL and len(calls) == 2
+    other = torch.ones(8, 8, dtype=torch.bool).tril()
+    assert cache.classify(other) == CAUSAL and len(calls) == 3  # equal content, other tensor
+    cache.clear()
+    assert cache.classify(mask) == CAUSAL and len(calls) == 4
+    assert cache.classify(None) == NONE and cache.describe(None).kind == NONE
+
+
+@pytest.mark.parametrize("kind", ["causal", "groups", "covariate", "additive"])
+def test_large_mask_is_quick(kind: str) -> None:
+    s = 2176
+    i = torch.arange(s)
+    gid = i // 128
+    m = {
+        "causal": i[None, :] <= i[:, None],
+        "groups": gid[:, None] == gid[None, :],
+        "covariate": (gid[:, None] == gid[None, :]) & ~((i % 128 >= 100)[:, None] & (i % 128 < 100)[None, :]),
+        "additive": additive(i[None, :] <= i[:, None], torch.float32, "-inf"),
+    }[kind]
+    describe_mask(m)
+    start = time.perf_counter()
+    info = describe_mask(m)
+    elapsed = time.perf_counter() - start
+    assert info.kind in (CAUSAL, BLOCK_DIAGONAL)
+    assert elapsed < 0.5, f"{kind}: {elapsed * 1e3:.0f} ms"  # ~5-15 ms on 2 CPU cores; loose for loaded CI
