@@ -9,7 +9,7 @@ import torch
 from .adapters.router import CapturedCall
 from .calls import ShapeKey
 from .forms.base import AttentionForm, Runner
-from .gate import Timing, measure_accuracy, paired_speedup
+from .gate import Accuracy, Timing, measure_accuracy, paired_speedup
 from .plan import ShapeRecord
 from .qualify import qualify
 from .specs import AccuracyFloor, Spec
@@ -55,6 +55,27 @@ class TimingCache:
         return (spec.name, key if spec.latency.per_shape else site)
 
 
+def tiers(forms: list[AttentionForm]) -> list[list[AttentionForm]]:
+    """Consecutive forms of one precision class form a tier: within it the fastest passing form wins;
+    a later tier is tried only when no form of an earlier one passed."""
+    out: list[list[AttentionForm]] = []
+    for form in forms:
+        if out and out[-1][0].spec.precision == form.spec.precision:
+            out[-1].append(form)
+        else:
+            out.append([form])
+    return out
+
+
+@dataclass
+class _Candidate:
+    form: AttentionForm
+    runner: Runner
+    accuracy: Accuracy
+    timing: Timing
+    figures: str
+
+
 def decide_shape(site: str, captured: CapturedCall, forms: list[AttentionForm], options: GateOptions,
                  timings: TimingCache) -> tuple[ShapeRecord, Runner | None]:
     call = captured.call
@@ -68,43 +89,71 @@ def decide_shape(site: str, captured: CapturedCall, forms: list[AttentionForm], 
         return record, None
     host_out = captured.host()
     shape_text = f"q=({','.join(map(str, key.q))})"
-    declined = False
-    for form in forms:
-        spec = form.spec
-        verdict = qualify(spec, call, form.rule(call))
-        if not verdict.qualified:
-            record.trail.append(verdict.reason)
-            continue
-        runner = form.runner(call)
-        accuracy = measure_accuracy(call.to_host_layout(runner(call)), host_out)
-        floor = options.floor(spec)
-        if not accuracy.passes(floor):
-            record.trail.append(f"{spec.name}: accuracy {accuracy.describe()} below floor "
-                                f"cos>={floor.min_cosine} err<={floor.max_rel_err} at {shape_text}")
-            continue
-        cached = timings.get(spec, site, key)
-        if cached is None:
-            timing = paired_speedup(captured.host, lambda: runner(call), call.query.device,
-                                    rounds=options.rounds_for(call.query.device))
-            timings.put(spec, site, key, timing)
-            timed_at = ""
-        else:
-            timing, origin = cached
-            timed_at = f", timed at {origin}" if origin != site else ""
-        need = options.speedup_needed(spec)
-        figures = f"{timing.speedup:.3f}x ({timing.host_ms:.3f} -> {timing.form_ms:.3f} ms{timed_at})"
-        if timing.speedup >= need:
-            record.outcome, record.form, record.speedup = "bound", spec.name, timing.speedup
-            record.cosine, record.max_rel_err = accuracy.cosine, accuracy.max_rel_err
-            record.reason = f"{spec.name}: {figures} >= {need}, {accuracy.describe()}; {runner.detail}"
+    declined: _Candidate | None = None
+    for tier in tiers(forms):
+        passed: list[_Candidate] = []
+        for form in tier:
+            candidate = _measure(form, site, captured, host_out, options, timings, record, shape_text)
+            if candidate is None:
+                continue
+            if candidate.timing.speedup >= options.speedup_needed(form.spec):
+                passed.append(candidate)
+            else:
+                record.trail.append(f"{form.name}: declined, {candidate.figures} < "
+                                    f"{options.speedup_needed(form.spec)} at {shape_text}, "
+                                    f"{candidate.accuracy.describe()}")
+                declined = declined or candidate
+        if passed:
+            best = max(passed, key=lambda c: c.timing.speedup)
+            for other in passed:
+                if other is not best:
+                    record.trail.append(f"{other.form.name}: passed at {other.figures}, slower than "
+                                        f"{best.form.name}")
+            _fill(record, "bound", best)
+            record.reason = (f"{best.form.name}: {best.figures} >= {options.speedup_needed(best.form.spec)}, "
+                             f"{best.accuracy.describe()}; {best.runner.detail}")
             record.trail.append(record.reason)
-            return record, runner
-        record.trail.append(f"{spec.name}: declined, {figures} < {need} at {shape_text}, "
-                            f"{accuracy.describe()}")
-        if not declined:
-            declined = True
-            record.form, record.speedup = spec.name, timing.speedup
-            record.cosine, record.max_rel_err = accuracy.cosine, accuracy.max_rel_err
-    record.outcome = "declined" if declined else "refused"
+            return record, best.runner
+    if declined is not None:
+        _fill(record, "declined", declined)
+    else:
+        record.outcome = "refused"
     record.reason = "; ".join(record.trail)
     return record, None
+
+
+def _fill(record: ShapeRecord, outcome: str, c: _Candidate) -> None:
+    record.outcome, record.form, record.speedup = outcome, c.form.name, c.timing.speedup
+    record.cosine, record.max_rel_err = c.accuracy.cosine, c.accuracy.max_rel_err
+
+
+def _measure(form: AttentionForm, site: str, captured: CapturedCall, host_out: torch.Tensor,
+             options: GateOptions, timings: TimingCache, record: ShapeRecord,
+             shape_text: str) -> _Candidate | None:
+    """Qualify, then gate accuracy, then time one form; refusals go on the record's trail."""
+    call = captured.call
+    assert call is not None
+    spec = form.spec
+    verdict = qualify(spec, call, form.rule(call))
+    if not verdict.qualified:
+        record.trail.append(verdict.reason)
+        return None
+    runner = form.runner(call)
+    accuracy = measure_accuracy(call.to_host_layout(runner(call)), host_out)
+    floor = options.floor(spec)
+    if not accuracy.passes(floor):
+        record.trail.append(f"{spec.name}: accuracy {accuracy.describe()} below floor "
+                            f"cos>={floor.min_cosine} err<={floor.max_rel_err} at {shape_text}")
+        return None
+    key = call.shape_key()
+    cached = timings.get(spec, site, key)
+    if cached is None:
+        timing = paired_speedup(captured.host, lambda: runner(call), call.query.device,
+                                rounds=options.rounds_for(call.query.device))
+        timings.put(spec, site, key, timing)
+        timed_at = ""
+    else:
+        timing, origin = cached
+        timed_at = f", timed at {origin}" if origin != site else ""
+    figures = f"{timing.speedup:.3f}x ({timing.host_ms:.3f} -> {timing.form_ms:.3f} ms{timed_at})"
+    return _Candidate(form, runner, accuracy, timing, figures)

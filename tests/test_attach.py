@@ -117,12 +117,23 @@ def test_all_pass_mask_dropped_and_padding_mask_refused():
     mask = inputs["encoder_attention_mask"].clone()
     mask[:, 10:] = False
     padded = dict(inputs, encoder_attention_mask=mask)
-    plan = attach(host.model, padded, min_speedup=0)
+    plan = attach(host.model, padded, min_speedup=0, attention_forms=["sdpa_dense"])
     cross = plan.site("transformer_blocks.0.attn2#0")
     assert cross.outcome == "refused"
     assert cross.reason == "sdpa_dense: mask key_padding not in [none, all_pass] at q=(2,32,2,8)"
     assert plan.site("transformer_blocks.0.attn1#0").outcome == "bound"
     detach(plan)
+
+    # the key-padding mask is served by the block-sparse form; grouped_batch refuses it by name
+    plan = attach(host.model, padded, min_speedup=0)
+    cross = plan.site("transformer_blocks.0.attn2#0").shapes[0]
+    assert cross.outcome == "bound" and cross.form == "flex_blocksparse", str(plan)
+    assert "grouped_batch: mask key_padding not in [block_diagonal] at q=(2,32,2,8)" in cross.trail
+    with torch.no_grad():
+        attached = run(host.model, padded)
+    detach(plan)
+    for a, r in zip(attached, run(host.model, padded)):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
 
 
 def test_envelope_refusal_names_form_rule_and_shape(tmp_path):

@@ -36,3 +36,23 @@ def test_cuda_gate_decides_by_measurement():
         assert shape.outcome in ("bound", "declined") and shape.speedup is not None
         assert shape.cosine >= 0.9999
     detach(plan)
+
+
+@pytest.mark.parametrize("form", ["flex_blocksparse", "grouped_batch"])
+def test_cuda_grouped_forms_compile_and_match_the_host(form):
+    from test_grouped_hosts import host_and_inputs
+
+    model, inputs = host_and_inputs([17] * 32, patches=8)
+    model = model.to("cuda", torch.bfloat16)
+    inputs = {"x": inputs["x"].to("cuda", torch.bfloat16), "mask": inputs["mask"].to("cuda")}
+    with torch.no_grad():
+        reference = model(**inputs)
+    plan = attach(model, inputs, min_speedup=0, attention_forms=[form])
+    assert {s.form for s in plan.sites} == {form}, str(plan)
+    with torch.no_grad():
+        attached = model(**inputs)
+    cos = torch.nn.functional.cosine_similarity(attached.float().flatten(), reference.float().flatten(), dim=0)
+    assert cos > 0.999
+    detach(plan)
+    with torch.no_grad():
+        assert torch.equal(model(**inputs), reference)

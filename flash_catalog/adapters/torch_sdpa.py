@@ -8,6 +8,8 @@ are routed too.
 
 from __future__ import annotations
 
+import inspect
+
 import torch.nn.functional as F
 from torch import nn
 
@@ -33,7 +35,7 @@ class TorchSdpaAdapter:
         found: dict[tuple[int, str], RouteTarget] = {(id(F), "scaled_dot_product_attention"): RouteTarget(
             F, "scaled_dot_product_attention", SDPA_SIGNATURE)}
         for module in modules.values():
-            g = getattr(type(module).forward, "__globals__", {})
+            g = getattr(inspect.unwrap(type(module).forward), "__globals__", {})
             for name, value in g.items():
                 if value is sdpa:
                     found.setdefault((id(g), name), RouteTarget(g, name, SDPA_SIGNATURE))

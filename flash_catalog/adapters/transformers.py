@@ -7,6 +7,8 @@ the torch SDPA call the `sdpa` implementation makes inside it. Only the `sdpa` i
 
 from __future__ import annotations
 
+import inspect
+
 import torch.nn.functional as F
 from torch import nn
 
@@ -44,9 +46,7 @@ class TransformersAdapter:
     def find_sites(self, model: nn.Module) -> dict[str, nn.Module]:
         if _interface() is None or implementation(model) is None:
             return {}
-        return {path: m for path, m in model.named_modules()
-                if "ALL_ATTENTION_FUNCTIONS" in getattr(getattr(type(m).forward, "__code__", None),
-                                                        "co_names", ())}
+        return {path: m for path, m in model.named_modules() if _looks_up_interface(type(m).forward)}
 
     def targets(self, modules: dict[str, nn.Module]) -> list[RouteTarget]:
         interface = _interface()
@@ -58,3 +58,8 @@ class TransformersAdapter:
         if out:
             out.append(RouteTarget(F, "scaled_dot_product_attention", SDPA_SIGNATURE))
         return out
+
+
+def _looks_up_interface(forward) -> bool:
+    code = getattr(inspect.unwrap(forward), "__code__", None)
+    return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names

@@ -292,7 +292,7 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale:
     vmax = _staging("v_amax_partial", (bsz * hkv, n_chunks, d), torch.float32, dev) if with_v else ksum
     _kv_stats_kernel[(n_chunks, bsz * hkv)](
         k, v, ksum, vmax, *k.stride(), *v.stride(), hkv, skv, n_chunks,
-        CHUNK=STATS_CHUNK, SUB=STATS_SUB, HEAD_DIM=d, WITH_V=with_v, num_warps=4)
+        CHUNK=STATS_CHUNK, SUB=STATS_SUB, HEAD_DIM=d, WITH_V=with_v, num_warps=8)
     k_mean = _staging("k_mean", (bsz, hkv, d), torch.float32, dev)
     if with_v:
         v_scale = _staging("v_scale", (bsz, hkv, d), torch.float32, dev)

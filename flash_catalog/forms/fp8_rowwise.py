@@ -1,0 +1,217 @@
+"""`fp8_rowwise`: a diffusers FeedForward with both linears in FP8 e4m3 (W8A8, rowwise scales, `torch._scaled_mm`).
+
+Weights are quantized once when the form adopts the host (per output channel); activations are quantized per row
+on every call (on CUDA by one fused Triton kernel, which also applies the host's pointwise GELU / GELU-tanh / SiLU
+before quantizing the projection's output). The gated activations (GEGLU, SwiGLU) and ApproximateGELU run the
+host's own torch expressions in the input dtype. Dropout is the identity (inference; the rule refuses training).
+
+This file also holds what both FFN forms share: reading the host's layout, its activation, its narrowing rules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels.fp8_rowwise import fp8_linear, quantize_weight_fp8
+from .ffn_base import FfnForm
+
+ACTIVATIONS = ("gelu", "gelu_tanh", "geglu", "swiglu", "approx_gelu", "linear_silu")
+FUSED_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_tanh", "linear_silu": "silu"}  # pointwise, one rounding
+GEMM_ALIGN = 16
+
+
+@dataclass(frozen=True)
+class FfnLayout:
+    """What a diffusers FeedForward computes: proj_in -> activation -> (dropout) -> proj_out -> (dropout)."""
+
+    activation: str
+    proj_in: nn.Linear      # (dim -> inner) or (dim -> 2 * inner) for the gated activations
+    proj_out: nn.Linear     # (inner -> dim_out)
+    dropouts: tuple[nn.Dropout, ...]
+
+    @property
+    def dim(self) -> int:
+        return self.proj_in.in_features
+
+    @property
+    def inner(self) -> int:
+        return self.proj_out.in_features
+
+    @property
+    def dim_out(self) -> int:
+        return self.proj_out.out_features
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.proj_in.weight.dtype
+
+
+def _activation_name(act: nn.Module) -> str:
+    """The supported name of a diffusers activation module, or the rule text for one that is not supported."""
+    try:
+        from diffusers.models import activations as da
+    except ImportError:  # pragma: no cover - diffusers is what the hosts come from
+        return "diffusers is not installed"
+    kind = type(act)
+    if kind is da.GELU:
+        if act.approximate == "none":
+            return "gelu"
+        if act.approximate == "tanh":
+            return "gelu_tanh"
+        return f"GELU approximate={act.approximate!r} not in ['none', 'tanh']"
+    if kind is da.GEGLU:
+        return "geglu"
+    if kind is da.SwiGLU:
+        return "swiglu" if type(act.activation) is nn.SiLU else \
+            f"SwiGLU gate {type(act.activation).__name__} is not SiLU"
+    if kind is da.ApproximateGELU:
+        return "approx_gelu"
+    if kind is da.LinearActivation:
+        inner = act.activation
+        if type(inner) is nn.SiLU:
+            return "linear_silu"
+        if type(inner) is nn.GELU and inner.approximate in ("none", "tanh"):
+            return "gelu" if inner.approximate == "none" else "gelu_tanh"
+        name = type(inner).__name__.lower()
+        return f"activation {name!r} not in [{', '.join(ACTIVATIONS)}]"
+    return f"activation module {kind.__name__!r} not in [{', '.join(ACTIVATIONS)}]"
+
+
+def read_ffn(module: nn.Module) -> FfnLayout | str:
+    """The host's layout, or the text of the rule it breaks."""
+    try:
+        from diffusers.models.attention import FeedForward
+    except ImportError:  # pragma: no cover
+        return "diffusers is not installed"
+    if not isinstance(module, FeedForward):
+        return f"host {type(module).__name__} is not a diffusers FeedForward"
+    if type(module).forward is not FeedForward.forward:
+        return f"host {type(module).__name__} overrides FeedForward.forward"
+    net = list(module.net)
+    if len(net) not in (3, 4) or type(net[1]) is not nn.Dropout or type(net[2]) is not nn.Linear or (
+            len(net) == 4 and type(net[3]) is not nn.Dropout):
+        return "FeedForward.net is not [activation, Dropout, Linear(, Dropout)]"
+    name = _activation_name(net[0])
+    if name not in ACTIVATIONS:
+        return name
+    proj_in = net[0].proj
+    if type(proj_in) is not nn.Linear:
+        return f"activation projection is {type(proj_in).__name__}, not nn.Linear"
+    proj_out = net[2]
+    width = proj_out.in_features * (2 if name in ("geglu", "swiglu") else 1)
+    if proj_in.out_features != width:
+        return f"projection width {proj_in.out_features} does not feed the output linear's {width}"
+    if proj_in.weight.dtype != proj_out.weight.dtype or proj_in.weight.device != proj_out.weight.device:
+        return "the two linears differ in dtype or device"
+    return FfnLayout(name, proj_in, proj_out, tuple(m for m in net[1:] if type(m) is nn.Dropout))
+
+
+def ffn_rule(module: nn.Module, x: torch.Tensor) -> tuple[FfnLayout | None, str | None]:
+    """Narrowing rules shared by the FFN forms: host layout, inference only, input width and dtype, alignment."""
+    layout = read_ffn(module)
+    if isinstance(layout, str):
+        return None, layout
+    if module.training and any(d.p > 0 for d in layout.dropouts):
+        return layout, "dropout active (training mode with p > 0)"
+    if torch.is_grad_enabled() and x.requires_grad:
+        return layout, "input requires grad (inference-only form)"
+    if x.shape[-1] != layout.dim:
+        return layout, f"input last dim {x.shape[-1]} != in_features {layout.dim}"
+    if x.dtype != layout.dtype:
+        return layout, (f"input dtype {str(x.dtype).removeprefix('torch.')} != the host's weight dtype "
+                        f"{str(layout.dtype).removeprefix('torch.')}")
+    dims = {"dim": layout.dim, "projection width": layout.proj_in.out_features, "inner dim": layout.inner,
+            "output dim": layout.dim_out}
+    for label, d in dims.items():
+        if d % GEMM_ALIGN:
+            return layout, f"{label} {d} not a multiple of {GEMM_ALIGN}"
+    return layout, None
+
+
+def host_activation(h: torch.Tensor, activation: str) -> torch.Tensor:
+    """The host's activation, by the same torch expressions diffusers uses, in h's dtype."""
+    if activation == "gelu":
+        return F.gelu(h)
+    if activation == "gelu_tanh":
+        return F.gelu(h, approximate="tanh")
+    if activation == "geglu":
+        hidden, gate = h.chunk(2, dim=-1)
+        return hidden * F.gelu(gate)
+    if activation == "swiglu":
+        hidden, gate = h.chunk(2, dim=-1)
+        return hidden * F.silu(gate)
+    if activation == "approx_gelu":
+        return h * torch.sigmoid(1.702 * h)
+    if activation == "linear_silu":
+        return F.silu(h)
+    raise ValueError(f"activation is {activation!r}; allowed: {', '.join(ACTIVATIONS)}")
+
+
+@torch.no_grad()
+def copied_bias(linear: nn.Linear) -> torch.Tensor:
+    """The host's bias as a new tensor in the weight's dtype, or a zero slot of that dtype."""
+    w = linear.weight
+    if linear.bias is None:
+        return torch.zeros(linear.out_features, dtype=w.dtype, device=w.device)
+    if linear.bias.dtype != w.dtype:
+        raise ValueError(f"bias dtype {linear.bias.dtype} differs from weight dtype {w.dtype}; allowed: equal")
+    return linear.bias.detach().clone()
+
+
+class QuantizedFeedForward(nn.Module):
+    """FP8 rowwise W8A8 FeedForward: holds only its own quantized weights, scales and biases."""
+
+    def __init__(self, activation: str, dtype: torch.dtype, w1: torch.Tensor, s1: torch.Tensor, b1: torch.Tensor,
+                 w2: torch.Tensor, s2: torch.Tensor, b2: torch.Tensor, fuse_activation: bool = True) -> None:
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation is {activation!r}; allowed: {', '.join(ACTIVATIONS)}")
+        self.activation = activation
+        self.dtype = dtype
+        self.fuse_activation = fuse_activation
+        for name, t in (("w1_fp8", w1), ("w1_scale", s1), ("b1", b1), ("w2_fp8", w2), ("w2_scale", s2),
+                        ("b2", b2)):
+            self.register_buffer(name, t)
+
+    def resident_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def extra_repr(self) -> str:
+        n1, k1 = self.w1_fp8.shape
+        n2, k2 = self.w2_fp8.shape
+        return f"{k1} -> {n1} ({self.activation}) -> {k2} -> {n2}, fp8 e4m3 rowwise, {str(self.dtype)[6:]} out"
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        del args, kwargs  # the host ignores them too (a deprecated `scale`)
+        x = hidden_states
+        if x.dtype != self.dtype:
+            raise ValueError(f"input dtype {x.dtype} differs from this module's {self.dtype}; no implicit cast")
+        h = fp8_linear(x, self.w1_fp8, self.w1_scale, self.b1, self.dtype)
+        fused = FUSED_ACTIVATIONS.get(self.activation) if self.fuse_activation else None
+        if fused is None:
+            h = host_activation(h, self.activation)
+        return fp8_linear(h, self.w2_fp8, self.w2_scale, self.b2, self.dtype, activation=fused)
+
+
+class Fp8RowwiseFfn(FfnForm):
+    """FP8 e4m3 W8A8 with rowwise scales for diffusers FeedForward hosts."""
+
+    fuse_activation: bool = True
+
+    def rule(self, module: nn.Module, x: torch.Tensor) -> str | None:
+        _, text = ffn_rule(module, x)
+        return text
+
+    @torch.no_grad()
+    def build(self, module: nn.Module) -> nn.Module:
+        layout = read_ffn(module)
+        if isinstance(layout, str):
+            raise ValueError(f"{self.name}: cannot adopt the host: {layout}")
+        w1, s1 = quantize_weight_fp8(layout.proj_in.weight)
+        w2, s2 = quantize_weight_fp8(layout.proj_out.weight)
+        return QuantizedFeedForward(layout.activation, layout.dtype, w1, s1, copied_bias(layout.proj_in),
+                                    w2, s2, copied_bias(layout.proj_out), fuse_activation=self.fuse_activation)

@@ -1,0 +1,196 @@
+"""SageAttention2 Triton kernels: accuracy against exact fp64 attention, agreement with the torch emulation of the
+same quantised algorithm, exact tails, causal, GQA, untouched inputs, validation. On CPU through TRITON_INTERPRET."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # must precede any triton import: @triton.jit picks the interpreter at decoration
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from flash_catalog.kernels.sage2_attention import (default_config, quantize_qkv, sage2_attention,  # noqa: E402
+                                                   sage2_attention_staged)
+from flash_catalog.kernels.sage2_reference import exact_attention, reference_quantize, sage2_reference  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+COS_MIN = {"fp8": 0.999, "fp16": 0.9999}
+REL_L2_MAX = {"fp8": 0.06, "fp16": 0.02}  # catch wrong scales (e.g. an unmasked tail), not noise
+
+
+def _inputs(b=1, hq=4, hkv=2, sq=37, skv=53, d=64, dtype=torch.float16, seed=0, k_bias=0.5):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, sq, d, generator=g)
+    k = torch.randn(b, hkv, skv, d, generator=g) + k_bias
+    v = torch.randn(b, hkv, skv, d, generator=g)
+    return tuple(t.to(DEVICE, dtype) for t in (q, k, v))
+
+
+def _cos(a, b):
+    a, b = a.double().flatten(), b.double().flatten()
+    return float(a @ b / (a.norm() * b.norm()))
+
+
+def _rel_l2(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _check(q, k, v, *, pv, is_causal=False, block_m=None, block_n=None, scale=None):
+    """Run the kernel; assert accuracy vs exact, agreement with the emulation, inputs untouched. Returns the output."""
+    clones = [t.clone() for t in (q, k, v)]
+    out = sage2_attention(q, k, v, pv=pv, is_causal=is_causal, block_m=block_m, block_n=block_n, scale=scale)
+    for t, c in zip((q, k, v), clones):
+        assert torch.equal(t, c), "an input was modified"
+    assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
+    exact = exact_attention(q, k, v, scale=scale, is_causal=is_causal)
+    assert _cos(out, exact) >= COS_MIN[pv], _cos(out, exact)
+    assert _rel_l2(out, exact) <= REL_L2_MAX[pv], _rel_l2(out, exact)
+    cfg = default_config(q.shape[-1], pv)
+    bm, bn = block_m or cfg["block_m"], block_n or cfg["block_n"]
+    emulated = sage2_reference(q, k, v, scale=scale, pv=pv, is_causal=is_causal, block_m=bm, block_n=bn)
+    # Same quantisation bit for bit; then fp32 vs fp64 rounding, which now and then tips P onto the neighbouring
+    # fp16/fp8 value. So: the output dtype's rounding noise overall, and nearly every element within one ulp.
+    eps = torch.finfo(q.dtype).eps
+    assert _rel_l2(out, emulated) <= 0.5 * eps, _rel_l2(out, emulated)
+    off = ~torch.isclose(out.double(), emulated, rtol=1.01 * eps, atol=1e-5)
+    assert off.double().mean() <= 5e-3, f"{int(off.sum())} of {off.numel()} elements beyond one ulp"
+    return out
+
+
+@pytest.mark.parametrize("pv", ["fp8", "fp16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_odd_lengths_gqa_small_tiles(dtype, d, pv):
+    # 16x16 tiles: 3 query tiles (last partial) and 4 key tiles (last one holds 5 of 16 keys)
+    q, k, v = _inputs(d=d, dtype=dtype)
+    _check(q, k, v, pv=pv, block_m=16, block_n=16)
+
+
+@pytest.mark.parametrize("pv", ["fp8", "fp16"])
+@pytest.mark.parametrize("sq,skv", [(37, 53), (53, 37)])
+def test_causal_top_left(sq, skv, pv):
+    q, k, v = _inputs(sq=sq, skv=skv, d=128, dtype=torch.bfloat16, seed=1)
+    _check(q, k, v, pv=pv, is_causal=True, block_m=16, block_n=16)
+
+
+@pytest.mark.parametrize("pv", ["fp8", "fp16"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_default_tiles(pv, is_causal):
+    # one partial 128-row query tile, one partial 64-key tile (53 of 64 keys real)
+    q, k, v = _inputs(d=128, seed=2)
+    _check(q, k, v, pv=pv, is_causal=is_causal)
+
+
+@pytest.mark.parametrize("pv", ["fp8", "fp16"])
+def test_last_key_tile_with_one_real_key_is_masked(pv):
+    # 65 keys with 64-key tiles: the last tile holds 1 real key and 63 zero-padded ones.
+    q, k, v = _inputs(hq=2, hkv=1, sq=20, skv=65, d=64, seed=3)
+    _check(q, k, v, pv=pv, block_m=16, block_n=64)
+    # What an unmasked tail would compute: after K smoothing a padded key is the mean key, with V = 0.
+    pad_k = k.float().mean(dim=2, keepdim=True).expand(-1, -1, 63, -1)
+    unmasked = exact_attention(q, torch.cat([k.float(), pad_k], 2), torch.cat([v.float(), torch.zeros_like(pad_k)], 2))
+    assert _rel_l2(unmasked, exact_attention(q, k, v)) > 5 * REL_L2_MAX[pv]  # so _check would have caught it
+
+
+def test_decode_and_single_key():
+    for sq, skv in [(1, 1), (1, 97), (3, 1)]:
+        q, k, v = _inputs(b=2, sq=sq, skv=skv, d=64, seed=5)
+        _check(q, k, v, pv="fp8", block_m=16, block_n=32)
+
+
+def test_explicit_scale_and_k_outlier_channels():
+    # A large per-channel offset in K (common in real models) is removed by K smoothing before INT8.
+    q, k, v = _inputs(d=64, seed=6, k_bias=0.0)
+    bias = torch.zeros(64, device=DEVICE)
+    bias[::7] = 40.0
+    k = (k.float() + bias).to(k.dtype)
+    _check(q, k, v, pv="fp8", scale=0.2, block_m=16, block_n=16)
+
+
+def test_strided_inputs_match_contiguous():
+    # (B, S, H, D) storage viewed as (B, H, S, D), as diffusers passes it; no copy needed, same result
+    q, k, v = _inputs(d=64, seed=7)
+    qs, ks, vs = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    assert not qs.is_contiguous()
+    for pv in ("fp8", "fp16"):
+        a = sage2_attention(q, k, v, pv=pv, block_m=16, block_n=16)
+        b = sage2_attention(qs, ks, vs, pv=pv, block_m=16, block_n=16)
+        assert torch.equal(a, b)
+
+
+def test_quantisation_staging_matches_emulation():
+    q, k, v = _inputs(d=128, dtype=torch.bfloat16, seed=8)
+    st = quantize_qkv(q, k, v, pv="fp8", block_m=16, block_n=16)
+    ref = reference_quantize(q, k, v, pv="fp8", block_m=16, block_n=16)
+    assert st.q8.shape == (1, 4, 48, 128) and st.k8.shape == (1, 2, 64, 128) and st.v.shape == (1, 2, 128, 64)
+    assert st.v.dtype == torch.float8_e4m3fn
+    assert torch.equal(st.q8, ref["q8"]) and torch.equal(st.q_scale, ref["q_scale"])
+    # K's mean is summed in another order than torch's, so allow a rare one-step rounding flip
+    assert (st.k8.int() - ref["k8"].int()).abs().max() <= 1
+    assert (st.k8 != ref["k8"]).float().mean() < 1e-3
+    torch.testing.assert_close(st.k_scale, ref["k_scale"], rtol=1e-6, atol=0)
+    assert torch.equal(st.v.view(torch.uint8), ref["vt8"].view(torch.uint8))
+    assert torch.equal(st.v_scale, ref["v_scale"])
+    assert not st.q8[:, :, 37:].any() and not st.k8[:, :, 53:].any() and not st.v.view(torch.uint8)[..., 53:].any()
+    # and the attention kernel alone agrees with the emulation fed the kernel's own staging
+    out = sage2_attention_staged(st, out_dtype=torch.float32)
+    own = dict(q8=st.q8, q_scale=st.q_scale, k8=st.k8, k_scale=st.k_scale, vt8=st.v, v_scale=st.v_scale)
+    emulated = sage2_reference(q, k, v, pv="fp8", block_m=16, block_n=16, staged=own)
+    torch.testing.assert_close(out.double(), emulated, rtol=1e-5, atol=1e-6)
+
+
+def _bad(**overrides):
+    q, k, v = _inputs(sq=8, skv=8, d=64)
+    args = {"q": q, "k": k, "v": v}
+    args.update(overrides)
+    return args
+
+
+@pytest.mark.parametrize("args,kw,match", [
+    (lambda: _bad(q=torch.zeros(4, 8, 64, device=DEVICE, dtype=torch.float16)), {}, r"q must be 4-D"),
+    (lambda: _bad(k=torch.zeros(1, 2, 8, 64, device=DEVICE)), {}, r"k\.dtype is torch\.float32; allowed: torch\.float16, torch\.bfloat16"),
+    (lambda: _bad(v=torch.zeros(1, 2, 8, 64, device=DEVICE, dtype=torch.bfloat16)), {}, r"dtypes differ"),
+    (lambda: _bad(q=torch.zeros(1, 4, 8, 96, device=DEVICE, dtype=torch.float16)), {}, r"q head_dim .* is 96; allowed: 64, 128"),
+    (lambda: _bad(k=torch.zeros(1, 3, 8, 64, device=DEVICE, dtype=torch.float16),
+                  v=torch.zeros(1, 3, 8, 64, device=DEVICE, dtype=torch.float16)), {}, r"k/v heads \(3\) must divide q heads \(4\)"),
+    (lambda: _bad(v=torch.zeros(1, 2, 9, 64, device=DEVICE, dtype=torch.float16)), {}, r"k and v shapes differ"),
+    (lambda: _bad(k=torch.zeros(2, 2, 8, 64, device=DEVICE, dtype=torch.float16),
+                  v=torch.zeros(2, 2, 8, 64, device=DEVICE, dtype=torch.float16)), {}, r"batch differs"),
+    (lambda: _bad(k=torch.zeros(1, 2, 0, 64, device=DEVICE, dtype=torch.float16),
+                  v=torch.zeros(1, 2, 0, 64, device=DEVICE, dtype=torch.float16)), {}, r"at least 1 key"),
+    (lambda: _bad(), {"pv": "int4"}, r"pv is 'int4'; allowed: 'fp8', 'fp16'"),
+    (lambda: _bad(), {"scale": -1.0}, r"scale is -1\.0; allowed: None or a finite float > 0"),
+    (lambda: _bad(), {"is_causal": 1}, r"is_causal is 1; allowed: True, False"),
+    (lambda: _bad(), {"block_m": 48}, r"block_m is 48; allowed: a power of two in \[16, 256\]"),
+])
+def test_validation_errors(args, kw, match):
+    with pytest.raises(ValueError, match=match):
+        sage2_attention(**args(), **kw)
+
+
+def test_device_mismatch_and_unsupported_device():
+    q, k, v = _inputs(sq=8, skv=8, d=64)
+    other = torch.device("meta")
+    with pytest.raises(ValueError, match=r"different devices"):
+        sage2_attention(q, k.to(other), v)
+    with pytest.raises(ValueError, match=r"q\.device is meta; allowed: cuda"):
+        sage2_attention(q.to(other), k.to(other), v.to(other))
+
+
+def test_autograd_is_refused():
+    q, k, v = _inputs(sq=8, skv=8, d=64)
+    with pytest.raises(NotImplementedError, match="forward-only"):
+        sage2_attention(q.requires_grad_(), k, v)
+    with torch.no_grad():
+        sage2_attention(q, k, v)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("pv", ["fp8", "fp16"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_gpu_b1_h4_s1000_d128(pv, is_causal):
+    q, k, v = _inputs(b=1, hq=4, hkv=4, sq=1000, skv=1000, d=128, dtype=torch.bfloat16, seed=9)
+    out = _check(q, k, v, pv=pv, is_causal=is_causal)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=is_causal)
+    assert _cos(out, sdpa) >= COS_MIN[pv]

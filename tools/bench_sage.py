@@ -1,0 +1,170 @@
+"""SageAttention2 Triton kernels vs host SDPA on one GPU: time, TFLOP/s, ratio, accuracy, quantisation share.
+
+Random bf16 inputs (B, H, S, D): B1 H32 S in {4096, 16384, 24576, 32768} D128 and B2 H24 S4096 D64. For each
+shape: host `F.scaled_dot_product_attention` (default backend), `sage2_attention(pv="fp8")` and
+`sage2_attention(pv="fp16")`, each timed with `triton.testing.do_bench` (median), plus the quantisation kernels
+alone (`quantize_qkv`) to give their share of the sage2 time. Accuracy: cosine and relative L2 error against an
+fp32 SDPA reference. TFLOP/s counts 4*B*H*Sq*Skv*D (halved with --causal).
+
+    python tools/bench_sage.py [--json out.json] [--sweep] [--causal] [--shapes 1x32x24576x128,2x24x4096x64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from flash_catalog.kernels.sage2_attention import default_config, quantize_qkv, sage2_attention  # noqa: E402
+
+DEFAULT_SHAPES = [(1, 32, 4096, 128), (1, 32, 16384, 128), (1, 32, 24576, 128), (1, 32, 32768, 128),
+                  (2, 24, 4096, 64)]
+
+# (block_m, block_n, num_warps, num_stages); the first of each list is the kernel's default for that head_dim
+SWEEP = {
+    # all compile for sm_90 without register spills (ptxas -v); 4 warps on 128x64xD128 tiles spill, so not listed
+    128: [(128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3)],
+    64: [(128, 64, 4, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3)],
+}
+
+
+def parse_shapes(text: str) -> list[tuple[int, int, int, int]]:
+    shapes = []
+    for item in text.split(","):
+        parts = [int(x) for x in item.lower().split("x")]
+        if len(parts) != 4:
+            raise SystemExit(f"--shapes item {item!r}: want BxHxSxD")
+        shapes.append(tuple(parts))
+    return shapes
+
+
+def accuracy(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
+    o, r = out.float().flatten(), ref.float().flatten()
+    cos = float(torch.dot(o.double(), r.double()) / (o.double().norm() * r.double().norm()))
+    rel_l2 = float((o - r).double().norm() / r.double().norm())
+    max_rel = float((o - r).abs().max() / r.abs().max())
+    return {"cos": cos, "rel_l2": rel_l2, "max_abs_err_over_max_ref": max_rel}
+
+
+def bench(fn, warmup: int, rep: int) -> float:
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def run_shape(shape, *, causal: bool, sweep: bool, warmup: int, rep: int) -> list[dict]:
+    b, h, s, d = shape
+    flops = 4.0 * b * h * s * s * d * (0.5 if causal else 1.0)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    with torch.no_grad():
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
+    rows: list[dict] = []
+    label = f"B{b} H{h} S{s} D{d}" + (" causal" if causal else "")
+
+    def row(impl: str, ms: float, out: torch.Tensor | None, **extra) -> dict:
+        r = {"shape": label, "B": b, "H": h, "S": s, "D": d, "causal": causal, "impl": impl, "ms": ms,
+             "tflops": flops / (ms * 1e-3) / 1e12 if ms and ms > 0 else None}
+        if out is not None:
+            r.update(accuracy(out, ref))
+        r.update(extra)
+        return r
+
+    with torch.no_grad():
+        host_fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
+        host_out = host_fn()
+        host_ms = bench(host_fn, warmup, rep)
+        rows.append(row("host sdpa", host_ms, host_out))
+        del host_out
+        for pv in ("fp8", "fp16"):
+            cfgs = SWEEP[d] if sweep else [tuple(default_config(d, pv)[key] for key in
+                                                 ("block_m", "block_n", "num_warps", "num_stages"))]
+            for bm, bn, nw, ns in cfgs:
+                cfg = {"block_m": bm, "block_n": bn, "num_warps": nw, "num_stages": ns}
+                name = f"sage2 {pv}"
+                try:
+                    fn = lambda: sage2_attention(q, k, v, pv=pv, is_causal=causal, **cfg)  # noqa: E731
+                    out = fn()
+                    torch.cuda.synchronize()
+                    ms = bench(fn, warmup, rep)
+                    qfn = lambda: quantize_qkv(q, k, v, pv=pv, block_m=bm, block_n=bn)  # noqa: E731
+                    quant_ms = bench(qfn, warmup, rep)
+                    r = row(name, ms, out, config=cfg, quant_ms=quant_ms, quant_share=quant_ms / ms,
+                            ratio_vs_host=host_ms / ms)
+                    del out
+                except Exception as exc:  # a config that does not compile or fit (shared memory, registers)
+                    r = row(name, float("nan"), None, config=cfg, error=f"{type(exc).__name__}: {exc}"[:300])
+                rows.append(r)
+                torch.cuda.empty_cache()
+    if sweep:  # mark the fastest config per pv
+        for pv in ("fp8", "fp16"):
+            ok = [r for r in rows if r["impl"] == f"sage2 {pv}" and "error" not in r]
+            if ok:
+                min(ok, key=lambda r: r["ms"])["best"] = True
+    del q, k, v, ref
+    torch.cuda.empty_cache()
+    return rows
+
+
+def fmt(x, spec: str) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def print_table(rows: list[dict]) -> None:
+    head = (f"{'shape':<24} {'impl':<11} {'config (bm,bn,w,s)':<19} {'ms':>9} {'TFLOP/s':>8} {'vs host':>8} "
+            f"{'cos':>9} {'rel_l2':>8} {'quant ms':>9} {'quant %':>8}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        c = r.get("config")
+        cfg = f"{c['block_m']},{c['block_n']},{c['num_warps']},{c['num_stages']}" if c else ""
+        if r.get("best"):
+            cfg += " *"
+        print(f"{r['shape']:<24} {r['impl']:<11} {cfg:<19} {fmt(r['ms'], '9.3f')} {fmt(r.get('tflops'), '8.1f')} "
+              f"{fmt(r.get('ratio_vs_host'), '8.3f')} {fmt(r.get('cos'), '9.6f')} {fmt(r.get('rel_l2'), '8.1e')} "
+              f"{fmt(r.get('quant_ms'), '9.3f')} "
+              f"{fmt(100 * r['quant_share'] if 'quant_share' in r else None, '7.1f')}"
+              + (f"  ERROR {r['error']}" if "error" in r else ""))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", type=Path, help="write the rows and the environment here")
+    ap.add_argument("--shapes", type=parse_shapes, default=DEFAULT_SHAPES, help="BxHxSxD,... (default: the five)")
+    ap.add_argument("--sweep", action="store_true", help="time several tile configs per shape, mark the best")
+    ap.add_argument("--causal", action="store_true", help="causal attention (top-left), half the flops")
+    ap.add_argument("--warmup", type=int, default=100, help="do_bench warm-up, ms")
+    ap.add_argument("--rep", type=int, default=500, help="do_bench measuring time, ms")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_sage: needs a CUDA device", file=sys.stderr)
+        return 2
+    env = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
+           "cuda": torch.version.cuda, "device": torch.cuda.get_device_name(),
+           "capability": ".".join(map(str, torch.cuda.get_device_capability())),
+           "date": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv[1:]}
+    print(f"{env['device']} (sm_{env['capability'].replace('.', '')}), torch {env['torch']}, triton {env['triton']}")
+    rows: list[dict] = []
+    for shape in args.shapes:
+        rows += run_shape(shape, causal=args.causal, sweep=args.sweep, warmup=args.warmup, rep=args.rep)
+        print_table([r for r in rows if r["shape"] == rows[-1]["shape"]])
+        print()
+    print("summary")
+    print_table([r for r in rows if r["impl"] == "host sdpa" or not args.sweep or r.get("best")])
+    if args.json:
+        args.json.write_text(json.dumps({"environment": env, "rows": rows}, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
