@@ -138,8 +138,14 @@ def _measure(form: AttentionForm, site: str, captured: CapturedCall, host_out: t
     if not verdict.qualified:
         record.trail.append(verdict.reason)
         return None
-    runner = form.runner(call)
-    accuracy = measure_accuracy(call.to_host_layout(runner(call)), host_out)
+    try:
+        runner = form.runner(call)
+        out = runner(call)
+    except Exception as exc:  # a form that cannot build or run here is refused, never fatal
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        record.trail.append(f"{spec.name}: failed to run ({type(exc).__name__}: {message[:200]}) at {shape_text}")
+        return None
+    accuracy = measure_accuracy(call.to_host_layout(out), host_out)
     floor = options.floor(spec)
     if not accuracy.passes(floor):
         record.trail.append(f"{spec.name}: accuracy {accuracy.describe()} below floor "

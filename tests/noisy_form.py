@@ -13,3 +13,8 @@ class WrongScale(AttentionForm):
                                                   is_causal=c.is_causal, scale=scale, enable_gqa=c.enable_gqa)
 
         return Runner(run, "scale x3")
+
+
+class Broken(AttentionForm):
+    def build(self, call):
+        raise RuntimeError("no kernel image for this device\nsecond line")

@@ -367,3 +367,18 @@ def test_unmet_package_requirement_refuses(tmp_path, requirement, expected):
     assert site.outcome == "refused"
     assert site.reason == f"future: {expected.format(torch=version('torch'))} at q=(1,24,2,16)"
     detach(plan)
+
+
+def test_a_form_that_fails_to_build_is_refused_and_the_next_one_tried(tmp_path):
+    (tmp_path / "broken.toml").write_text(
+        SDPA_SPEC.replace('name = "sdpa_dense"', 'name = "broken"').replace(
+            "flash_catalog.forms.sdpa_dense:SdpaDense", "noisy_form:Broken"))
+    (tmp_path / "sdpa_dense.toml").write_text(SDPA_SPEC)
+    host = build("flux")
+    plan = attach(host.model, host.inputs(), catalog=Catalog.load([tmp_path]), min_speedup=0,
+                  attention_forms=["broken", "sdpa_dense"])
+    shape = plan.site("transformer_blocks.0.attn#0").shapes[0]
+    assert shape.trail[0] == ("broken: failed to run (RuntimeError: no kernel image for this device) "
+                              "at q=(1,24,2,16)")
+    assert shape.outcome == "bound" and shape.form == "sdpa_dense"
+    detach(plan)

@@ -259,7 +259,7 @@ def _short(act: str) -> str:
             "swiglu": "swiglu", "linear-silu": "linear_silu"}[act]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("activation", HOST_ACTIVATIONS)
 def test_fp8_form_matches_host(activation, dtype):
     ff = host(activation, dtype)
@@ -415,8 +415,8 @@ def test_specs_load_and_build():
 @pytest.mark.parametrize("k", [64, 100, 4096, 16384])
 def test_cuda_row_kernel_matches_torch_path(k):
     torch.manual_seed(8)
-    for m in (1, 7, 257):
-        x = (torch.randn(m, k, device="cuda") * 3).to(torch.bfloat16)
+    for m, dtype in ((1, torch.bfloat16), (7, torch.float16), (257, torch.bfloat16), (33, torch.float32)):
+        x = (torch.randn(m, k, device="cuda") * 3).to(dtype)
         x[0, :5] *= 1e-6
         if m > 2:
             x[1] = 0
@@ -433,21 +433,43 @@ def test_cuda_row_kernel_matches_torch_path(k):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("activation", HOST_ACTIVATIONS)
-def test_cuda_fp8_form_matches_host(activation):
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cuda_fp8_linear_out_dtypes(out_dtype):
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 GEMMs need sm_89+")
-    ff = host(activation, torch.bfloat16, device="cuda")
+    torch.manual_seed(9)
+    w = torch.randn(48, 64, device="cuda")
+    w_fp8, w_scale = fp8.quantize_weight_fp8(w)
+    x = torch.randn(2, 7, 64, device="cuda").to(out_dtype)
+    for bias in (None, torch.randn(48, device="cuda").to(out_dtype)):
+        y = fp8.fp8_linear(x, w_fp8, w_scale, bias, out_dtype)
+        assert y.shape == (2, 7, 48) and y.dtype == out_dtype
+        x_fp8, x_scale = fp8.quantize_rows_fp8(x.reshape(14, 64))
+        ref = (x_fp8.double() * x_scale.double()) @ (w_fp8.double() * w_scale.double().t()).t()
+        if bias is not None:
+            ref = ref + bias.double()
+        tol = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10, torch.float32: 1e-5}[out_dtype]
+        assert ((y.reshape(14, 48).double() - ref).abs() <= ref.abs() * tol + 1e-4).all()
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("activation", HOST_ACTIVATIONS)
+def test_cuda_fp8_form_matches_host(activation, dtype):
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 GEMMs need sm_89+")
+    ff = host(activation, dtype, device="cuda")
     form = fp8_form()
     for m in (1, 33, 257):
-        x = torch.randn(1, m, 64, dtype=torch.bfloat16, device="cuda")
+        x = torch.randn(1, m, 64, dtype=dtype, device="cuda")
         assert form.rule(ff, x) is None
         built = form.build(ff)
         unfused = form.build(ff)
         unfused.fuse_activation = False
         with torch.no_grad():
             y, y_unfused, ref = built(x), unfused(x), ff(x)
-        assert y.dtype == torch.bfloat16 and y.shape == ref.shape
+        assert y.dtype == dtype and y.shape == ref.shape
         assert cos(y, ref) >= FP8_MIN_COS.get(_short(activation), 0.998), (m, cos(y, ref))
         assert cos(y_unfused, ref) >= FP8_MIN_COS.get(_short(activation), 0.998)
 

@@ -42,7 +42,7 @@ def test_cuda_gate_decides_by_measurement():
 def test_cuda_grouped_forms_compile_and_match_the_host(form):
     from test_grouped_hosts import host_and_inputs
 
-    model, inputs = host_and_inputs([17] * 32, patches=8)
+    model, inputs = host_and_inputs([17] * 32, patches=8, dim=128)  # head_dim 32
     model = model.to("cuda", torch.bfloat16)
     inputs = {"x": inputs["x"].to("cuda", torch.bfloat16), "mask": inputs["mask"].to("cuda")}
     with torch.no_grad():
@@ -56,3 +56,24 @@ def test_cuda_grouped_forms_compile_and_match_the_host(form):
     detach(plan)
     with torch.no_grad():
         assert torch.equal(model(**inputs), reference)
+
+
+@pytest.mark.parametrize("form", ["sage2_fp8", "sage2_fp16"])
+def test_cuda_sage2_forms_bind_when_named(form):
+    from test_grouped_hosts import Block
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Block(dim=1024, heads=8)).eval().to("cuda", torch.bfloat16)
+    x = torch.randn(1, 2048, 1024, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        reference = model(x)
+    plan = attach(model, (x,), attention_forms=[form], min_speedup=0)
+    site = plan.site("0#0")
+    assert site.outcome == "bound" and site.form == form, str(plan)
+    with torch.no_grad():
+        attached = model(x)
+    cos = torch.nn.functional.cosine_similarity(attached.float().flatten(), reference.float().flatten(), dim=0)
+    assert cos > 0.999
+    detach(plan)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference)

@@ -55,10 +55,10 @@ def variate_mask(sizes: list[int]) -> torch.Tensor:
     return same & ~(~target[:, None] & target[None, :])
 
 
-def host_and_inputs(sizes: list[int], patches: int = 6, seed: int = 0):
+def host_and_inputs(sizes: list[int], patches: int = 6, seed: int = 0, dim: int = 32):
     torch.manual_seed(seed)
-    model = VariateMixer().eval()
-    x = torch.randn(patches, sum(sizes), 32)
+    model = VariateMixer(dim).eval()
+    x = torch.randn(patches, sum(sizes), dim)
     return model, {"x": x, "mask": variate_mask(sizes)}
 
 

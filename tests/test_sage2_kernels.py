@@ -148,11 +148,14 @@ def _bad(**overrides):
 
 @pytest.mark.parametrize("args,kw,match", [
     (lambda: _bad(q=torch.zeros(4, 8, 64, device=DEVICE, dtype=torch.float16)), {}, r"q must be 4-D"),
-    (lambda: _bad(k=torch.zeros(1, 2, 8, 64, device=DEVICE)), {}, r"k\.dtype is torch\.float32; allowed: torch\.float16, torch\.bfloat16"),
+    (lambda: _bad(k=torch.zeros(1, 2, 8, 64, device=DEVICE)), {},
+     r"k\.dtype is torch\.float32; allowed: torch\.float16, torch\.bfloat16"),
     (lambda: _bad(v=torch.zeros(1, 2, 8, 64, device=DEVICE, dtype=torch.bfloat16)), {}, r"dtypes differ"),
-    (lambda: _bad(q=torch.zeros(1, 4, 8, 96, device=DEVICE, dtype=torch.float16)), {}, r"q head_dim .* is 96; allowed: 64, 128"),
+    (lambda: _bad(q=torch.zeros(1, 4, 8, 96, device=DEVICE, dtype=torch.float16)), {},
+     r"q head_dim .* is 96; allowed: 64, 128"),
     (lambda: _bad(k=torch.zeros(1, 3, 8, 64, device=DEVICE, dtype=torch.float16),
-                  v=torch.zeros(1, 3, 8, 64, device=DEVICE, dtype=torch.float16)), {}, r"k/v heads \(3\) must divide q heads \(4\)"),
+                  v=torch.zeros(1, 3, 8, 64, device=DEVICE, dtype=torch.float16)), {},
+     r"k/v heads \(3\) must divide q heads \(4\)"),
     (lambda: _bad(v=torch.zeros(1, 2, 9, 64, device=DEVICE, dtype=torch.float16)), {}, r"k and v shapes differ"),
     (lambda: _bad(k=torch.zeros(2, 2, 8, 64, device=DEVICE, dtype=torch.float16),
                   v=torch.zeros(2, 2, 8, 64, device=DEVICE, dtype=torch.float16)), {}, r"batch differs"),

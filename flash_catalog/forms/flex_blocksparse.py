@@ -41,6 +41,8 @@ def _run(fn, block_mask, kernel_options, call: AttentionCall) -> torch.Tensor:
 
 class FlexBlocksparse(AttentionForm):
     def rule(self, call: AttentionCall) -> str | None:
+        if call.query.device.type == "cuda" and min(call.query.shape[-1], call.value.shape[-1]) < 16:
+            return f"head_dim {min(call.query.shape[-1], call.value.shape[-1])} < 16 (FlexAttention on CUDA)"
         if call.is_causal:
             return "is_causal with a mask is not served"
         if call.attn_mask is not None and call.attn_mask.shape[-2] not in (1, call.query.shape[2]):

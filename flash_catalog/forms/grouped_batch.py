@@ -63,10 +63,11 @@ class GroupedBatch(AttentionForm):
         assert g is not None
         rule = call.mask.group_rule
         local = _local_mask(call, g) if rule == RULE_COVARIATE_TARGET else None
-        if local is not None and local.shape[0] != 1 and local.shape[0] != call.query.shape[0] * (
-                call.query.shape[2] // g):
-            # flags shared by all batch rows: repeat over the batch
-            local = local.repeat(call.query.shape[0], 1, 1, 1)
+        if local is not None:
+            if bool((local == local[:1]).all()):
+                local = local[:1]  # every group has the same pattern: one (g, g) mask broadcast
+            elif local.shape[0] != call.query.shape[0] * (call.query.shape[2] // g):
+                local = local.repeat(call.query.shape[0], 1, 1, 1)  # flags shared by all batch rows
         detail = f"{call.query.shape[2] // g} groups of {g} as batch" + (f", in-group {rule}" if rule != RULE_NONE
                                                                         else "")
         return Runner(functools.partial(_run, g, rule == RULE_CAUSAL, local), detail)

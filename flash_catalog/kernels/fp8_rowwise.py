@@ -6,7 +6,8 @@ Layout and scales (what `torch._scaled_mm` takes for rowwise scaling):
   `w ~= w_fp8 * w_scale.T`; the GEMM gets `w_fp8.t()`, a column-major (K, N) view, as its second operand.
 * activations: each call quantizes rows to `x_fp8` (M, K) e4m3 with `x_scale` (M, 1) fp32; on CUDA one fused
   Triton kernel reads x once and writes codes and scales (rows of up to `MAX_FUSED_ROW` elements; longer rows and
-  CPU tensors take the torch path, whose arithmetic is the same: both give bit-identical codes and scales).
+  CPU tensors take the torch path, whose arithmetic is the same: both give the same codes and scales; with a
+  fused activation (below) the kernel's fp32 GELU/SiLU may differ from torch's by an ulp now and then).
 
 Scale arithmetic, identical in both paths: `amax = max(max|row|, AMAX_FLOOR)`, `scale = amax / 448`,
 `codes = e4m3_rne(clamp(x * (448 / amax), -448, 448))` with IEEE-rounded divisions and multiplications.
@@ -60,6 +61,13 @@ def _check_2d(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name}.dtype is {t.dtype}; allowed: torch.bfloat16, torch.float16, torch.float32")
 
 
+def _inverse_and_scale(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """IEEE-rounded 448 / amax and amax / 448. Tensor-by-tensor division on purpose: torch computes a scalar
+    numerator as reciprocal-then-multiply, and on CUDA divides by a CPU scalar through its reciprocal."""
+    fp8_max = torch.full_like(amax, FP8_MAX)
+    return fp8_max / amax, amax / fp8_max
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Weights: once, at adoption
 # --------------------------------------------------------------------------------------------------------------------
@@ -71,10 +79,9 @@ def quantize_weight_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Pass `w_fp8.t()` (column-major (K, N)) and `w_scale` to `torch._scaled_mm` as the second operand."""
     _check_2d("w", w)
     amax = w.detach().float().abs().amax(dim=1).clamp_min(AMAX_FLOOR)        # (N,)
-    inv = FP8_MAX / amax
+    inv, scale = _inverse_and_scale(amax)
     w_fp8 = (w.detach().float() * inv[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).contiguous()
-    w_scale = (amax / FP8_MAX).reshape(1, -1).contiguous()
-    return w_fp8, w_scale
+    return w_fp8, scale.reshape(1, -1).contiguous()
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -101,9 +108,9 @@ def quantize_rows_fp8_torch(x: torch.Tensor, activation: str | None = None) -> t
     a = apply_activation(x, activation).float()
     amax = a.abs().amax(dim=1, keepdim=True).clamp_min(AMAX_FLOOR) if a.shape[1] else \
         torch.full((a.shape[0], 1), AMAX_FLOOR, device=a.device)
-    inv = FP8_MAX / amax
+    inv, scale = _inverse_and_scale(amax)
     x_fp8 = (a * inv).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return x_fp8, (amax / FP8_MAX).contiguous()
+    return x_fp8, scale.contiguous()
 
 
 if triton is not None:
@@ -218,8 +225,23 @@ def quantize_rows_fp8(x: torch.Tensor, activation: str | None = None) -> tuple[t
 
 def fp8_matmul(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
                bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    """(M, K) e4m3 x (N, K) e4m3 weights -> (M, N) `out_dtype`, rowwise scales, bias added in the GEMM epilogue."""
-    return torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_scale, scale_b=w_scale, bias=bias, out_dtype=out_dtype)
+    """(M, K) e4m3 x (N, K) e4m3 weights -> (M, N) `out_dtype`: `(x_fp8 @ w_fp8.T) * x_scale * w_scale + bias`.
+
+    CUDA: one `torch._scaled_mm` with rowwise scales; bf16 and fp16 outputs take the bias (of the output dtype) in
+    the GEMM epilogue; an fp32 output cannot (torch refuses a bias there), so it is added after, in fp32.
+    CPU: torch 2.11's CPU `_scaled_mm` takes per-tensor scales only (2.13's also rowwise), so the CPU path runs the
+    e4m3 GEMM with unit scales into fp32 and applies scales and bias in fp32, the epilogue's arithmetic."""
+    if x_fp8.is_cuda:
+        if out_dtype == torch.float32:
+            out = torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=out_dtype)
+            return out if bias is None else out.add_(bias)
+        return torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_scale, scale_b=w_scale, bias=bias, out_dtype=out_dtype)
+    one = torch.ones((), dtype=torch.float32, device=x_fp8.device)
+    acc = torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    acc = acc * x_scale * w_scale
+    if bias is not None:
+        acc = acc + bias.float()
+    return acc.to(out_dtype)
 
 
 def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,

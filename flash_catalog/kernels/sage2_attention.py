@@ -98,7 +98,10 @@ def _sage2_fwd_kernel(Q8, QS, K8, KS, V, VS, Out,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                       IS_CAUSAL: tl.constexpr, PV_FP8: tl.constexpr, INTERPRETED: tl.constexpr,
                       OUT_BF16: tl.constexpr):
-    pid_m = tl.program_id(0)
+    if IS_CAUSAL:  # longest query tiles (most key blocks) first, for a better tail across SMs
+        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H_Q
     h = pid_bh % H_Q

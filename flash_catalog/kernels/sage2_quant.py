@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -11,9 +10,8 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.0 / math.log(2.0)
-INT8_MAX = 127.0
-FP8_E4M3_MAX = 448.0
-AMAX_FLOOR = 1e-30  # an all-zero block or channel gets this max, so 1/scale stays finite
+# In the kernels: INT8 range 127, FP8 e4m3 range 448, and 1e-30 as the floor of a block's or channel's max|x|
+# (an all-zero block then quantises to zeros with a finite scale).
 PV_MODES = ("fp8", "fp16")
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
@@ -22,12 +20,14 @@ STATS_SUB = 64      # tokens per inner step of that pass
 
 
 def interpreter_active() -> bool:
-    """True when Triton runs kernels through its CPU interpreter (TRITON_INTERPRET=1)."""
-    knobs = getattr(triton, "knobs", None)
-    runtime = getattr(knobs, "runtime", None) if knobs is not None else None
-    if runtime is not None and hasattr(runtime, "interpret"):
-        return bool(runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when this module's kernels were built for Triton's CPU interpreter (TRITON_INTERPRET=1 at import).
+
+    Decided by the kernel objects, not the environment: @triton.jit picks interpreter or compiler when it runs."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(_quant_int8_kernel, InterpretedFunction)
 
 
 def _staging(key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -47,7 +47,8 @@ def validate_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pv: st
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D (batch, heads, seq, head_dim); got {t.dim()}-D shape {tuple(t.shape)}")
+            raise ValueError(f"{name} must be 4-D (batch, heads, seq, head_dim); got {t.dim()}-D shape "
+                             f"{tuple(t.shape)}")
         if t.dtype not in DTYPES:
             raise ValueError(f"{name}.dtype is {t.dtype}; allowed: torch.float16, torch.bfloat16")
         if t.shape[-1] not in HEAD_DIMS:
@@ -66,6 +67,8 @@ def validate_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pv: st
     if hkv < 1 or hq % hkv != 0:
         raise ValueError(f"k/v heads ({hkv}) must divide q heads ({hq}) for GQA; allowed: q heads a multiple "
                          "of k/v heads")
+    if q.shape[0] * q.shape[1] > 65535:
+        raise ValueError(f"batch * q heads is {q.shape[0] * q.shape[1]}; allowed: at most 65535 (grid axis 1)")
     if k.shape[2] < 1:
         raise ValueError(f"k sequence length is {k.shape[2]}; allowed: at least 1 key")
     if not (q.device == k.device == v.device):
@@ -75,6 +78,12 @@ def validate_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pv: st
                          "triton is imported")
     if pv not in PV_MODES:
         raise ValueError(f"pv is {pv!r}; allowed: 'fp8', 'fp16'")
+    if q.device.type == "cuda":
+        cap = torch.cuda.get_device_capability(q.device)
+        if cap < (8, 0):
+            raise ValueError(f"q.device {q.device} is sm_{cap[0]}{cap[1]}; allowed: sm_80 or newer (INT8 tensor cores)")
+        if pv == "fp8" and cap < (8, 9):
+            raise ValueError(f"pv='fp8' on sm_{cap[0]}{cap[1]}; allowed: pv='fp16' there (FP8 needs sm_89 or newer)")
     if scale is not None:
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
             raise ValueError(f"scale is {scale!r}; allowed: None or a finite float > 0")
@@ -265,7 +274,7 @@ def _cdiv(a: int, b: int) -> int:
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
                  pv: str = "fp8", block_m: int = 128, block_n: int = 64, num_warps: int | None = None,
                  validate: bool = True) -> Sage2Staged:
-    """Stage q, k, v for the SageAttention2 kernel; reads each input once (K and V twice: stats, then quantise).
+    """Stage q, k, v for the SageAttention2 kernel: Q is read once, K and V twice (a stats pass, then quantise).
 
     The caller's tensors are only read. `block_m`/`block_n` must match the attention kernel's tiles: the
     Q and K scales are per tile."""

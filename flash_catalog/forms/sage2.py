@@ -1,0 +1,40 @@
+"""`sage2_fp8` / `sage2_fp16`: SageAttention2-style INT8 Q.K^T with FP8 (or FP16) P.V Triton kernels."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..calls import AttentionCall
+from ..kernels.sage2_attention import sage2_attention
+from ..masks import ALL_PASS
+from .base import AttentionForm, Runner
+
+
+def _run(pv: str, call: AttentionCall) -> torch.Tensor:
+    # an all-pass mask is dropped: the envelope admits only none and all_pass
+    return sage2_attention(call.query, call.key, call.value, scale=call.scale, pv=pv, is_causal=call.is_causal)
+
+
+class _Sage2(AttentionForm):
+    pv = "fp8"
+
+    def rule(self, call: AttentionCall) -> str | None:
+        if call.query.shape[0] * call.query.shape[1] > 65535:
+            return f"batch x heads {call.query.shape[0] * call.query.shape[1]} > 65535"
+        if call.key.shape[-1] != call.value.shape[-1]:
+            return "key and value head dims differ"
+        return None
+
+    def build(self, call: AttentionCall) -> Runner:
+        detail = f"INT8 QK, {self.pv.upper()} PV" + (", mask dropped" if call.mask_kind == ALL_PASS else "")
+        return Runner(functools.partial(_run, self.pv), detail)
+
+
+class Sage2Fp8(_Sage2):
+    pv = "fp8"
+
+
+class Sage2Fp16(_Sage2):
+    pv = "fp16"
