@@ -11,12 +11,15 @@ from torch import nn
 from .adapters import pick_adapter
 from .adapters.install import Installation
 from .adapters.patches import GlobalPatch
+from .adapters.ffn import FfnCapture, FfnRoute, find_ffn_sites
 from .adapters.router import AttentionRouter
 from .catalog import Catalog, build_form
 from .decide import GateOptions, TimingCache, decide_shape
+from .decide_ffn import decide_ffn_site
 from .environment import environment
 from .forms.base import AttentionForm, Runner
 from .plan import Plan, ShapeRecord, SiteRecord
+from .profiles import get_profile
 
 Example = dict[str, Any] | tuple[Any, ...] | list[Any] | Callable[[], Any]
 
@@ -40,24 +43,117 @@ def reset_default_catalog() -> None:
 
 
 def attach(model: nn.Module, example: Example, *, attention_forms: Sequence[str] | None = None,
+           ffn_forms: Sequence[str] | None = None, profile: str | None = None,
            min_speedup: float | None = None, min_cosine: float | None = None,
            max_rel_err: float | None = None, sites: Sequence[str] | None = None,
-           timing_rounds: int | None = None, catalog: Catalog | None = None) -> Plan:
-    """Bind the best qualifying form to every attention site of `model`, where it measures faster.
+           timing_rounds: int | None = None, allow_emulation: bool = False,
+           keep_host_on_device: bool = False, catalog: Catalog | None = None) -> Plan:
+    """Bind the best qualifying form to every attention (and, when asked, feed-forward) site of `model`,
+    where it measures faster and accurate enough.
 
     `example` drives the calibration: a dict of forward kwargs, a tuple of args, or a zero-argument
     callable. `attention_forms=None` tries the catalog's default order; `[]` keeps the host everywhere.
-    `sites` keeps only site modules whose path matches one of the glob patterns.
+    Feed-forward forms quantize weights, so they run only when named (`ffn_forms=`) or by a `profile`;
+    explicit form lists outrank the profile. `sites` keeps only site modules matching a glob pattern.
     """
     catalog = catalog or default_catalog()
-    specs = catalog.select("attention_core", attention_forms)
+    attention_names, ffn_names = _resolve_profile(profile, attention_forms, ffn_forms)
+    specs = catalog.select("attention_core", attention_names)
+    ffn_specs = catalog.select("vision_ffn", ffn_names)
     options = GateOptions(min_speedup, min_cosine, max_rel_err, timing_rounds)
     _check_options(options)
     run_example = _example_runner(model, example)
     forms: list[AttentionForm] = [build_form(s) for s in specs]
+    ffn_forms_built = [_ffn_form(s, allow_emulation) for s in ffn_specs]
     adapter = pick_adapter(model)
     modules = _filter_sites(adapter.find_sites(model), sites)
+    ffn_modules = _filter_sites(find_ffn_sites(model), sites) if ffn_specs else {}
+    if sites is not None and not modules and not ffn_modules:
+        raise ValueError(f"sites={list(sites)!r} matches no site; attention sites are: "
+                         f"{_some(adapter.find_sites(model))}; feed-forward sites: {_some(find_ffn_sites(model))}")
 
+    installation = _install_router(adapter, modules)
+    router = installation.router
+    capture = FfnCapture(ffn_modules)
+    capture.start()
+    ffn_routes: list[FfnRoute] = []
+    stage = "running the example (calibration call)"
+    try:
+        with torch.no_grad():
+            run_example()
+        capture.stop()
+        records, routes, timings = [], {}, TimingCache()
+        uncalled = adapter.uncalled_reason(model)
+        for site in _site_names(modules, router, adapter.discovered):
+            stage = f"gating site {site}"
+            record, site_routes = _decide_site(site, router, forms, options, timings, uncalled)
+            records.append(record)
+            routes[site] = site_routes
+        for path, module in ffn_modules.items():
+            stage = f"gating feed-forward site {path}"
+            decision = decide_ffn_site(module, capture.inputs.get(path, {}), capture.counts.get(path, {}),
+                                       ffn_forms_built, options)
+            records.append(SiteRecord(path, decision.shapes, kind="ffn", memory=decision.memory))
+            if decision.replacement is not None:
+                route = FfnRoute(path, module, decision.replacement, decision.keys,
+                                 offload=not keep_host_on_device)
+                ffn_routes.append(route)
+                route.install()
+        stage = "binding the plan"
+        capture.release()
+        bound_keys = {k for r in routes.values() for k in r}
+        for form in forms:
+            form.retain(bound_keys)
+        router.bind(routes)
+        if adapter.discovered:
+            installation.prune({r.name.rsplit("#", 1)[0] for r in records if r.kind == "attention"})
+    except BaseException as exc:
+        _reverter(installation, forms, ffn_routes)()
+        capture.release()
+        if not isinstance(exc, Exception):
+            raise
+        raise AttachError(f"attach failed while {stage}: {type(exc).__name__}: {exc}. "
+                          f"The model was restored to the host.") from exc
+
+    device = _model_device(model)
+    return Plan(
+        sites=records,
+        environment=environment(device),
+        options={"attention_forms": [s.name for s in specs], "ffn_forms": [s.name for s in ffn_specs],
+                 "profile": profile, "adapter": adapter.name, "min_speedup": min_speedup,
+                 "min_cosine": min_cosine, "max_rel_err": max_rel_err,
+                 "sites": list(sites) if sites is not None else None,
+                 "keep_host_on_device": keep_host_on_device, "allow_emulation": allow_emulation},
+        _fallbacks=lambda: _counts(router.fallbacks, ffn_routes, "fallbacks"),
+        _routed=lambda: _counts(router.routed, ffn_routes, "routed"),
+        _revert=_reverter(installation, forms, ffn_routes),
+    )
+
+
+def detach(plan: Plan) -> None:
+    """Restore the host bit-exactly: patched names, hooks, weights, and nothing of the forms referenced."""
+    if plan.detached:
+        return
+    if plan._revert is not None:
+        plan._revert()
+    plan._revert = None
+    plan.detached = True
+
+
+def _reverter(installation: Installation, forms: list[AttentionForm],
+              ffn_routes: list[FfnRoute]) -> Callable[[], None]:
+    def revert() -> None:
+        installation.uninstall()  # first: it refuses, changing nothing, when plans are detached out of order
+        for route in reversed(ffn_routes):
+            route.uninstall()
+        ffn_routes.clear()
+        for form in forms:
+            form.retain(set())
+
+    return revert
+
+
+def _install_router(adapter, modules: dict[str, nn.Module]) -> Installation:
     router = AttentionRouter()
     paths = {id(m): p for p, m in modules.items()}
     patches = []
@@ -68,63 +164,35 @@ def attach(model: nn.Module, example: Example, *, attention_forms: Sequence[str]
         patches.append(GlobalPatch(t.namespace, t.name, original, stand_in))
     installation = Installation(router, patches)
     installation.install(modules if adapter.hooks else {})
-    stage = "running the example (calibration call)"
-    try:
-        with torch.no_grad():
-            run_example()
-        records, routes, timings = [], {}, TimingCache()
-        uncalled = adapter.uncalled_reason(model)
-        for site in _site_names(modules, router, adapter.discovered):
-            stage = f"gating site {site}"
-            record, site_routes = _decide_site(site, router, forms, options, timings, uncalled)
-            records.append(record)
-            routes[site] = site_routes
-        stage = "binding the plan"
-        bound_keys = {k for r in routes.values() for k in r}
-        for form in forms:
-            form.retain(bound_keys)
-        router.bind(routes)
-        if adapter.discovered:
-            installation.prune({r.name.rsplit("#", 1)[0] for r in records})
-    except BaseException as exc:
-        installation.uninstall()
-        for form in forms:
-            form.retain(set())
-        if not isinstance(exc, Exception):
-            raise
-        raise AttachError(f"attach failed while {stage}: {type(exc).__name__}: {exc}. "
-                          f"The model was restored to the host.") from exc
-
-    device = _model_device(model)
-    return Plan(
-        sites=records,
-        environment=environment(device),
-        options={"attention_forms": [s.name for s in specs], "adapter": adapter.name,
-                 "min_speedup": min_speedup, "min_cosine": min_cosine, "max_rel_err": max_rel_err,
-                 "sites": list(sites) if sites is not None else None},
-        _fallbacks=lambda: dict(router.fallbacks),
-        _routed=lambda: dict(router.routed),
-        _revert=_reverter(installation, forms),
-    )
+    return installation
 
 
-def detach(plan: Plan) -> None:
-    """Restore the host bit-exactly: patched names, hooks, and nothing of the forms left referenced."""
-    if plan.detached:
-        return
-    if plan._revert is not None:
-        plan._revert()
-    plan._revert = None
-    plan.detached = True
+def _resolve_profile(profile: str | None, attention_forms: Sequence[str] | None,
+                     ffn_forms: Sequence[str] | None) -> tuple[Sequence[str] | None, Sequence[str]]:
+    chosen = get_profile(profile) if profile is not None else None
+    if attention_forms is None and chosen is not None and chosen.attention_forms is not None:
+        attention_forms = list(chosen.attention_forms)
+    if ffn_forms is None:
+        ffn_forms = list(chosen.ffn_forms) if chosen is not None and chosen.ffn_forms is not None else []
+    return attention_forms, ffn_forms
 
 
-def _reverter(installation: Installation, forms: list[AttentionForm]) -> Callable[[], None]:
-    def revert() -> None:
-        installation.uninstall()
-        for form in forms:
-            form.retain(set())
+def _ffn_form(spec, allow_emulation: bool):
+    form = build_form(spec)
+    if hasattr(form, "allow_emulation"):
+        form.allow_emulation = allow_emulation
+    return form
 
-    return revert
+
+def _counts(router_counts, ffn_routes: list[FfnRoute], attr: str) -> dict[str, int]:
+    out = dict(router_counts)
+    out.update({r.path: getattr(r, attr) for r in ffn_routes if getattr(r, attr)})
+    return out
+
+
+def _some(modules: dict[str, nn.Module]) -> str:
+    names = list(modules)
+    return (", ".join(names[:8]) + (" ..." if len(names) > 8 else "")) or "(none)"
 
 
 def _decide_site(site: str, router: AttentionRouter, forms: list[AttentionForm], options: GateOptions,
@@ -160,11 +228,7 @@ def _filter_sites(modules: dict[str, nn.Module], patterns: Sequence[str] | None)
         return modules
     if isinstance(patterns, str):
         raise TypeError(f"sites must be a list of glob patterns, not the string {patterns!r}")
-    kept = {p: m for p, m in modules.items() if any(fnmatch.fnmatchcase(p, pat) for pat in patterns)}
-    if not kept:
-        raise ValueError(f"sites={list(patterns)!r} matches no attention site; sites are: "
-                         f"{', '.join(list(modules)[:8])}{' ...' if len(modules) > 8 else ''}")
-    return kept
+    return {p: m for p, m in modules.items() if any(fnmatch.fnmatchcase(p, pat) for pat in patterns)}
 
 
 def _example_runner(model: nn.Module, example: Example) -> Callable[[], Any]:

@@ -30,6 +30,8 @@ class ShapeRecord:
 class SiteRecord:
     name: str
     shapes: list[ShapeRecord]
+    kind: str = "attention"  # attention | ffn
+    memory: dict[str, int] | None = None  # bound ffn sites: form_bytes, host_bytes, delta_bytes (device)
 
     @property
     def outcome(self) -> str:
@@ -56,8 +58,8 @@ class SiteRecord:
         return "; ".join(s.reason for s in self.shapes if s.reason)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "outcome": self.outcome, "form": self.form,
-                "shapes": [asdict(s) for s in self.shapes]}
+        return {"name": self.name, "kind": self.kind, "outcome": self.outcome, "form": self.form,
+                "memory": self.memory, "shapes": [asdict(s) for s in self.shapes]}
 
 
 @dataclass
@@ -92,8 +94,17 @@ class Plan:
             out[s.outcome] += 1
         return out
 
+    def memory(self) -> dict[str, int]:
+        """Device-resident bytes of bound feed-forward sites: what the forms hold, what the host held."""
+        totals = {"form_bytes": 0, "host_bytes": 0, "delta_bytes": 0}
+        for s in self.sites:
+            for k, v in (s.memory or {}).items():
+                totals[k] += v
+        return totals
+
     def to_dict(self) -> dict[str, Any]:
         return {"environment": self.environment, "options": self.options, "counts": self.counts(),
+                "memory": self.memory(),
                 "fallbacks": self.fallbacks, "routed": self.routed, "detached": self.detached,
                 "sites": [s.to_dict() for s in self.sites]}
 
@@ -116,4 +127,16 @@ class Plan:
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
         counts = ", ".join(f"{n} {o}" for o, n in self.counts().items() if n)
         state = "detached" if self.detached else "attached"
-        return "\n".join(lines + [f"{len(self.sites)} sites: {counts or 'none'} ({state})"])
+        footer = [f"{len(self.sites)} sites: {counts or 'none'} ({state})"]
+        mem = self.memory()
+        if mem["host_bytes"]:
+            footer.append(f"bound feed-forward weights on the device: {_size(mem['host_bytes'])} (host) -> "
+                          f"{_size(mem['form_bytes'])} (forms), {mem['delta_bytes'] / mem['host_bytes']:+.1%}")
+        return "\n".join(lines + footer)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"

@@ -30,21 +30,37 @@ def qualify(spec: Spec, call: AttentionCall, extra_rule: str | None = None) -> V
     return Verdict(spec.name, False, f"{spec.name}: {rule} at q=({','.join(map(str, q))})")
 
 
-def envelope_rule(env: Envelope, call: AttentionCall) -> str | None:
-    """The first envelope rule the call breaks, or None."""
+def qualify_tensor(spec: Spec, x: torch.Tensor, extra_rule: str | None = None) -> Verdict:
+    """Qualification of a form whose input is one tensor (a feed-forward site): device, dtype, packages."""
+    rule = tensor_rule(spec.envelope, x) or extra_rule
+    if rule is None:
+        return Verdict(spec.name, True)
+    return Verdict(spec.name, False, f"{spec.name}: {rule} at x=({','.join(map(str, x.shape))})")
+
+
+def tensor_rule(env: Envelope, x: torch.Tensor) -> str | None:
+    """The first rule about packages, device, capability or dtype that the input breaks, or None."""
     missing = unmet_requirements(env.requires)
     if missing:
         return missing
-    device = call.query.device
+    device = x.device
     if device.type not in env.devices:
         return f"device {device.type} not in [{', '.join(env.devices)}]"
     if device.type == "cuda" and env.min_capability is not None:
         cap = torch.cuda.get_device_capability(device)
         if cap < env.min_capability:
             return f"compute capability {cap[0]}.{cap[1]} < {env.min_capability[0]}.{env.min_capability[1]}"
-    dtype = str(call.query.dtype).removeprefix("torch.")
+    dtype = str(x.dtype).removeprefix("torch.")
     if dtype not in env.dtypes:
         return f"dtype {dtype} not in [{', '.join(env.dtypes)}]"
+    return None
+
+
+def envelope_rule(env: Envelope, call: AttentionCall) -> str | None:
+    """The first envelope rule the call breaks, or None."""
+    rule = tensor_rule(env, call.query)
+    if rule:
+        return rule
     for label, d in (("head_dim", call.query.shape[-1]), ("value head_dim", call.value.shape[-1])):
         if env.head_dims and d not in env.head_dims:
             return f"{label} {d} not in [{', '.join(map(str, env.head_dims))}]"

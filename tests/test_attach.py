@@ -230,7 +230,7 @@ def test_attach_is_transactional_on_a_failing_example():
     ({"min_speedup": -1}, r"min_speedup=-1 is out of range"),
     ({"min_cosine": 2}, r"min_cosine=2 is out of range"),
     ({"timing_rounds": 0}, r"timing_rounds=0"),
-    ({"sites": ["nothing.*"]}, r"matches no attention site; sites are: transformer_blocks.0.attn1"),
+    ({"sites": ["nothing.*"]}, r"matches no site; attention sites are: transformer_blocks.0.attn1"),
 ])
 def test_bad_options_are_named(bad, match):
     host = build("ltx")

@@ -433,6 +433,16 @@ def test_cuda_row_kernel_matches_torch_path(k):
 
 @pytest.mark.gpu
 @gpu
+def test_cuda_rows_longer_than_the_kernel_take_the_torch_path():
+    x = torch.randn(3, fp8.MAX_FUSED_ROW + 16, device="cuda", dtype=torch.bfloat16)
+    assert not fp8.fused_kernel_serves(x)
+    q, s = fp8.quantize_rows_fp8(x, "gelu_tanh")
+    qr, sr = fp8.quantize_rows_fp8_torch(x, "gelu_tanh")
+    assert torch.equal(q.float(), qr.float()) and torch.equal(s, sr)
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_cuda_fp8_linear_out_dtypes(out_dtype):
     if torch.cuda.get_device_capability() < (8, 9):
@@ -448,8 +458,9 @@ def test_cuda_fp8_linear_out_dtypes(out_dtype):
         ref = (x_fp8.double() * x_scale.double()) @ (w_fp8.double() * w_scale.double().t()).t()
         if bias is not None:
             ref = ref + bias.double()
-        tol = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10, torch.float32: 1e-5}[out_dtype]
-        assert ((y.reshape(14, 48).double() - ref).abs() <= ref.abs() * tol + 1e-4).all()
+        tol = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10, torch.float32: 0.0}[out_dtype]
+        # the output's rounding, plus Hopper's FP8 tensor-core accumulation (~1e-4 of the output's scale)
+        assert ((y.reshape(14, 48).double() - ref).abs() <= ref.abs() * tol + 1e-3 * ref.abs().max()).all()
 
 
 @pytest.mark.gpu

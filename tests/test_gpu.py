@@ -77,3 +77,27 @@ def test_cuda_sage2_forms_bind_when_named(form):
     detach(plan)
     with torch.no_grad():
         assert torch.equal(model(x), reference)
+
+
+def test_cuda_fp8_ffn_offloads_host_weights_and_restores_them():
+    host = build("ltx", device="cuda", dtype=torch.bfloat16)
+    inputs = host.inputs()
+    with torch.no_grad():
+        reference = host.model(**inputs)[0]
+    ff = host.model.transformer_blocks[0].ff
+    weight = ff.net[0].proj.weight
+    before = weight.detach().clone()
+    plan = attach(host.model, inputs, attention_forms=[], ffn_forms=["fp8_rowwise"], min_speedup=0)
+    assert plan.site("transformer_blocks.0.ff").outcome == "bound", str(plan)
+    assert weight.device.type == "cpu" and weight.is_pinned()  # the host copy left the GPU
+    with torch.no_grad():
+        attached = host.model(**inputs)[0]
+        fallback = host.model(**host.inputs(2))[0]  # a new shape: the host's math, weights brought back
+    assert plan.fallbacks["transformer_blocks.0.ff"] == 1
+    cos = torch.nn.functional.cosine_similarity(attached.float().flatten(), reference.float().flatten(), dim=0)
+    assert cos > 0.999
+    detach(plan)
+    assert weight.device.type == "cuda" and torch.equal(weight, before)
+    with torch.no_grad():
+        assert torch.equal(host.model(**inputs)[0], reference)
+        assert torch.equal(host.model(**host.inputs(2))[0], fallback)

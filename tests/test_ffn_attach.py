@@ -1,0 +1,80 @@
+"""Feed-forward sites through attach: selection by name or profile, gates, state_dict while attached, restore."""
+
+import pytest
+import torch
+
+from flash_catalog import attach, detach
+from flash_catalog.tiny_hosts import build
+
+
+def run(model, inputs):
+    with torch.no_grad():
+        return model(**inputs)
+
+
+def test_fp8_rowwise_binds_named_ffn_sites_and_detaches_exactly():
+    host = build("ltx2", dtype=torch.bfloat16)
+    inputs = host.inputs()
+    reference = run(host.model, inputs)
+    state = {k: v.clone() for k, v in host.model.state_dict().items()}
+    plan = attach(host.model, inputs, attention_forms=[], ffn_forms=["fp8_rowwise"], min_speedup=0)
+
+    ff = plan.site("transformer_blocks.0.ff")
+    assert ff.kind == "ffn" and ff.outcome == "bound" and ff.form == "fp8_rowwise"
+    assert ff.accuracy[0] >= 0.997
+    assert ff.memory["form_bytes"] < ff.memory["host_bytes"]  # e4m3 weights: about half of bf16
+    audio = plan.site("transformer_blocks.0.audio_ff")
+    assert audio.outcome == "refused" and audio.reason == "fp8_rowwise: dim 8 not a multiple of 16 at x=(2,9,8)"
+
+    attached = run(host.model, inputs)
+    assert plan.routed == {"transformer_blocks.0.ff": 1, "transformer_blocks.1.ff": 1}
+    for a, r in zip(attached, reference):
+        assert torch.nn.functional.cosine_similarity(a.float().flatten(), r.float().flatten(), dim=0) > 0.999
+    during = host.model.state_dict()  # the host's keys, dtypes and values while attached
+    assert during.keys() == state.keys()
+    assert all(during[k].dtype == v.dtype and torch.equal(during[k], v) for k, v in state.items())
+    assert "bound feed-forward weights on the device" in str(plan)
+
+    detach(plan)
+    assert "forward" not in host.model.transformer_blocks[0].ff.__dict__
+    assert all(torch.equal(a, r) for a, r in zip(run(host.model, inputs), reference))
+
+
+def test_ffn_guard_runs_the_host_at_a_new_shape():
+    host = build("ltx", dtype=torch.bfloat16)
+    plan = attach(host.model, host.inputs(), attention_forms=[], ffn_forms=["fp8_rowwise"], min_speedup=0)
+    bigger = host.inputs(2)
+    attached = run(host.model, bigger)
+    assert plan.fallbacks == {"transformer_blocks.0.ff": 1, "transformer_blocks.1.ff": 1}
+    detach(plan)
+    assert torch.equal(attached[0], run(host.model, bigger)[0])
+
+
+def test_profiles_select_forms_and_explicit_lists_outrank_them():
+    host = build("ltx", dtype=torch.bfloat16)
+    plan = attach(host.model, host.inputs(), profile="fp8_balance", min_speedup=0)
+    assert plan.options["ffn_forms"] == ["fp8_rowwise"]
+    assert plan.site("transformer_blocks.0.ff").form == "fp8_rowwise"
+    detach(plan)
+    plan = attach(host.model, host.inputs(), profile="fp8_balance_sage", ffn_forms=[], attention_forms=["sdpa_dense"])
+    assert plan.options["ffn_forms"] == [] and plan.options["attention_forms"] == ["sdpa_dense"]
+    assert all(s.kind == "attention" for s in plan.sites)
+    detach(plan)
+    with pytest.raises(ValueError, match=r"unknown profile 'fast'; known: fp8_balance, fp8_balance_sage, "
+                                         r"nvfp4_balance_sage"):
+        attach(host.model, host.inputs(), profile="fast")
+    with pytest.raises(ValueError, match=r"unknown vision_ffn form\(s\) 'int3'; known: fp8_rowwise, nvfp4_w4a4"):
+        attach(host.model, host.inputs(), ffn_forms=["int3"])
+
+
+def test_nvfp4_is_refused_without_emulation_and_runs_with_it():
+    host = build("ltx", dtype=torch.bfloat16)
+    plan = attach(host.model, host.inputs(), attention_forms=[], ffn_forms=["nvfp4_w4a4"], min_speedup=0)
+    site = plan.site("transformer_blocks.0.ff")
+    assert site.outcome == "refused"
+    assert site.reason.startswith("nvfp4_w4a4: device cpu (NVFP4 needs Blackwell); pass allow_emulation=True")
+    detach(plan)
+    plan = attach(host.model, host.inputs(), attention_forms=[], ffn_forms=["nvfp4_w4a4"], min_speedup=0,
+                  allow_emulation=True)
+    assert plan.site("transformer_blocks.0.ff").form == "nvfp4_w4a4"
+    detach(plan)
