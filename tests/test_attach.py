@@ -19,6 +19,16 @@ SDPA = F.scaled_dot_product_attention
 DISPATCH = attention_dispatch.dispatch_attention_fn
 SDPA_SPEC = (Path(specs_dir()) / "attention_core" / "sdpa_dense.toml").read_text()
 
+def write_spec(folder: Path, name: str, implementation: str | None = None, *edits: tuple[str, str]) -> None:
+    """A copy of the shipped sdpa_dense spec under another name, implementation, or with text edits."""
+    text = SDPA_SPEC.replace('name = "sdpa_dense"', f'name = "{name}"')
+    if implementation is not None:
+        text = text.replace("flash_catalog.forms.sdpa_dense:SdpaDense", implementation)
+    for old, new in edits:
+        text = text.replace(old, new)
+    (folder / f"{name}.toml").write_text(text)
+
+
 EXPECTED_SITES = {
     "ltx": ["transformer_blocks.0.attn1#0", "transformer_blocks.0.attn2#0",
             "transformer_blocks.1.attn1#0", "transformer_blocks.1.attn2#0"],
@@ -137,9 +147,7 @@ def test_all_pass_mask_dropped_and_padding_mask_refused():
 
 
 def test_envelope_refusal_names_form_rule_and_shape(tmp_path):
-    (tmp_path / "narrow.toml").write_text(
-        SDPA_SPEC.replace('name = "sdpa_dense"', 'name = "narrow"').replace(
-            "[envelope]", "[envelope]\nhead_dims = [64, 128]"))
+    write_spec(tmp_path, "narrow", None, ("[envelope]", "[envelope]\nhead_dims = [64, 128]"))
     host = build("wan")
     plan = attach(host.model, host.inputs(), catalog=Catalog.load([tmp_path]), min_speedup=0)
     site = plan.site("blocks.0.attn1#0")
@@ -149,9 +157,7 @@ def test_envelope_refusal_names_form_rule_and_shape(tmp_path):
 
 
 def test_accuracy_floor_refuses_with_figures(tmp_path):
-    (tmp_path / "wrong.toml").write_text(
-        SDPA_SPEC.replace('name = "sdpa_dense"', 'name = "wrong_scale"').replace(
-            "flash_catalog.forms.sdpa_dense:SdpaDense", "noisy_form:WrongScale"))
+    write_spec(tmp_path, "wrong_scale", "noisy_form:WrongScale")
     host = build("flux")
     plan = attach(host.model, host.inputs(), catalog=Catalog.load([tmp_path]), min_speedup=0)
     for site in plan.sites:
@@ -167,10 +173,8 @@ def test_accuracy_floor_refuses_with_figures(tmp_path):
 
 
 def test_explicit_order_falls_through_to_next_form(tmp_path):
-    (tmp_path / "wrong.toml").write_text(
-        SDPA_SPEC.replace('name = "sdpa_dense"', 'name = "wrong_scale"').replace(
-            "flash_catalog.forms.sdpa_dense:SdpaDense", "noisy_form:WrongScale"))
-    (tmp_path / "sdpa_dense.toml").write_text(SDPA_SPEC)
+    write_spec(tmp_path, "wrong_scale", "noisy_form:WrongScale")
+    write_spec(tmp_path, "sdpa_dense")
     host = build("flux")
     plan = attach(host.model, host.inputs(), catalog=Catalog.load([tmp_path]), min_speedup=0,
                   attention_forms=["wrong_scale", "sdpa_dense"])
@@ -357,9 +361,7 @@ def test_two_plans_detach_in_reverse_order_only():
     ("no-such-package-xyz>=1", "requires no-such-package-xyz>=1, no-such-package-xyz is not installed"),
 ])
 def test_unmet_package_requirement_refuses(tmp_path, requirement, expected):
-    (tmp_path / "future.toml").write_text(
-        SDPA_SPEC.replace('name = "sdpa_dense"', 'name = "future"').replace(
-            'requires = ["torch>=2.5"]', f'requires = ["torch>=2.5", "{requirement}"]'))
+    write_spec(tmp_path, "future", None, ('requires = ["torch>=2.5"]', f'requires = ["torch>=2.5", "{requirement}"]'))
     host = build("flux")
     plan = attach(host.model, host.inputs(), catalog=Catalog.load([tmp_path]), min_speedup=0)
     site = plan.site("transformer_blocks.0.attn#0")
@@ -370,10 +372,8 @@ def test_unmet_package_requirement_refuses(tmp_path, requirement, expected):
 
 
 def test_a_form_that_fails_to_build_is_refused_and_the_next_one_tried(tmp_path):
-    (tmp_path / "broken.toml").write_text(
-        SDPA_SPEC.replace('name = "sdpa_dense"', 'name = "broken"').replace(
-            "flash_catalog.forms.sdpa_dense:SdpaDense", "noisy_form:Broken"))
-    (tmp_path / "sdpa_dense.toml").write_text(SDPA_SPEC)
+    write_spec(tmp_path, "broken", "noisy_form:Broken")
+    write_spec(tmp_path, "sdpa_dense")
     host = build("flux")
     plan = attach(host.model, host.inputs(), catalog=Catalog.load([tmp_path]), min_speedup=0,
                   attention_forms=["broken", "sdpa_dense"])
