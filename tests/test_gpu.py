@@ -90,9 +90,10 @@ def test_cuda_fp8_ffn_offloads_host_weights_and_restores_them():
     plan = attach(host.model, inputs, attention_forms=[], ffn_forms=["fp8_rowwise"], min_speedup=0)
     assert plan.site("transformer_blocks.0.ff").outcome == "bound", str(plan)
     assert weight.device.type == "cpu" and weight.is_pinned()  # the host copy left the GPU
+    bigger = host.inputs(2)
     with torch.no_grad():
         attached = host.model(**inputs)[0]
-        fallback = host.model(**host.inputs(2))[0]  # a new shape: the host's math, weights brought back
+        fallback = host.model(**bigger)[0]  # a new shape: the host's math, weights brought back
     assert plan.fallbacks["transformer_blocks.0.ff"] == 1
     cos = torch.nn.functional.cosine_similarity(attached.float().flatten(), reference.float().flatten(), dim=0)
     assert cos > 0.999
@@ -100,4 +101,4 @@ def test_cuda_fp8_ffn_offloads_host_weights_and_restores_them():
     assert weight.device.type == "cuda" and torch.equal(weight, before)
     with torch.no_grad():
         assert torch.equal(host.model(**inputs)[0], reference)
-        assert torch.equal(host.model(**host.inputs(2))[0], fallback)
+        assert torch.equal(host.model(**bigger)[0], fallback)
