@@ -78,3 +78,28 @@ def test_nvfp4_is_refused_without_emulation_and_runs_with_it():
                   allow_emulation=True)
     assert plan.site("transformer_blocks.0.ff").form == "nvfp4_w4a4"
     detach(plan)
+
+
+def test_a_declined_form_keeps_nothing_alive(monkeypatch):
+    import gc
+    import weakref
+
+    from flash_catalog.forms.fp8_rowwise import Fp8RowwiseFfn
+
+    built = []
+    original = Fp8RowwiseFfn.build
+
+    def recording_build(self, module):
+        out = original(self, module)
+        built.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(Fp8RowwiseFfn, "build", recording_build)
+    host = build("ltx", dtype=torch.bfloat16)
+    plan = attach(host.model, host.inputs(), attention_forms=[], ffn_forms=["fp8_rowwise"], min_speedup=1e9)
+    ffn = [s for s in plan.sites if s.kind == "ffn"]
+    assert {s.outcome for s in ffn} == {"declined"}
+    assert all("< 1000000000.0" in s.reason for s in ffn)
+    gc.collect()
+    assert len(built) == 2 and all(ref() is None for ref in built)  # nothing held by the plan or closures
+    detach(plan)
