@@ -3,6 +3,9 @@ float64, its per-structure plan, the form's rules, and a bind on the TiRex-like 
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,12 +14,13 @@ from hypothesis import strategies as st
 
 from flash_catalog import attach, detach
 from flash_catalog.calls import AttentionCall
-from flash_catalog.catalog import Catalog, build_form
+from flash_catalog.catalog import Catalog, build_form, specs_dir
 from flash_catalog.kernels.grouped_attention import (build_plan, dense_mask, grouped_attention,
                                                      reference_attention)
 from flash_catalog.masks import describe_mask
-from test_grouped_hosts import host_and_inputs, outputs, variate_mask
+from test_grouped_hosts import SDPA, host_and_inputs, outputs, variate_mask
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the kernel runs in Triton's interpreter
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
 
 
@@ -38,20 +42,21 @@ def variate_flags(sizes):
 
 def qkv(b, h, s, d, dtype, hkv=None, dv=None, seed=0):
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, h, s, d, generator=g).to(dtype)
-    k = torch.randn(b, hkv or h, s, d, generator=g).to(dtype)
-    v = torch.randn(b, hkv or h, s, dv or d, generator=g).to(dtype)
+    q = torch.randn(b, h, s, d, generator=g).to(DEVICE, dtype)
+    k = torch.randn(b, hkv or h, s, d, generator=g).to(DEVICE, dtype)
+    v = torch.randn(b, hkv or h, s, dv or d, generator=g).to(DEVICE, dtype)
     return q, k, v
 
 
-def check(q, k, v, offsets, rule, cov=None, tgt=None, block_m=16, block_n=8, scale=None, **kw):
+def check(q, k, v, offsets, rule, cov=None, tgt=None, block_m=16, block_n=16, scale=None, **kw):
     s = q.shape[2]
-    plan = build_plan(offsets, rule, s, covariate_rows=cov, target_cols=tgt, block_m=block_m, block_n=block_n)
+    plan = build_plan(offsets, rule, s, covariate_rows=cov, target_cols=tgt, block_m=block_m, block_n=block_n,
+                      device=q.device)
     before = [t.clone() for t in (q, k, v)]
     out = grouped_attention(q, k, v, plan, scale=scale, **kw)
     for t, t0 in zip((q, k, v), before):
         assert torch.equal(t, t0)  # inputs untouched
-    ref = reference_attention(q, k, v, dense_mask(offsets, rule, s, cov, tgt), scale=scale)
+    ref = reference_attention(q, k, v, dense_mask(offsets, rule, s, cov, tgt, device=q.device), scale=scale)
     assert out.dtype == q.dtype and out.shape == ref.shape
     err = (out.double() - ref).abs().max().item()
     assert err <= TOL[q.dtype] * max(1.0, ref.abs().max().item()), (err, plan.describe())
@@ -66,11 +71,13 @@ def check(q, k, v, offsets, rule, cov=None, tgt=None, block_m=16, block_n=8, sca
     ([40, 9, 23], "none"),            # groups longer than a tile: unmasked blocks inside them
     ([40, 9, 23], "causal"),
     ([40, 9, 23], "covariate_target"),
+    ([32, 16, 48], "none"),           # every key block unmasked: only the unmasked loop is compiled
 ])
 def test_kernel_matches_dense_sdpa_float32(sizes, rule):
     cov, tgt = variate_flags(sizes) if rule == "covariate_target" else (None, None)
     q, k, v = qkv(2, 2, sum(sizes), 16, torch.float32)
-    check(q, k, v, [offsets_of(sizes)], rule, [cov] if cov else None, [tgt] if tgt else None)
+    _, plan = check(q, k, v, [offsets_of(sizes)], rule, [cov] if cov else None, [tgt] if tgt else None)
+    assert plan.all_unmasked == (sizes == [32, 16, 48])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -79,7 +86,7 @@ def test_half_precision_and_gqa(dtype, rule):
     sizes = [5, 17, 2, 11]
     cov, tgt = variate_flags(sizes)
     q, k, v = qkv(1, 4, sum(sizes), 32, dtype, hkv=2)
-    check(q, k, v, [offsets_of(sizes)], rule, [cov], [tgt], block_m=16, block_n=16)
+    check(q, k, v, [offsets_of(sizes)], rule, [cov], [tgt], block_m=32, block_n=16)
 
 
 def test_per_batch_offsets_flags_and_scale():
@@ -106,7 +113,7 @@ def test_rows_without_keys_give_zeros_like_sdpa_bool_masks():
     q, k, v = qkv(1, 2, 8, 16, torch.float32)
     out, _ = check(q, k, v, [offsets_of(sizes)], "covariate_target", [cov], [tgt])
     assert torch.equal(out[:, :, 3], torch.zeros_like(out[:, :, 3]))
-    mask = dense_mask([offsets_of(sizes)], "covariate_target", 8, [cov], [tgt])
+    mask = dense_mask([offsets_of(sizes)], "covariate_target", 8, [cov], [tgt], device=DEVICE)
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask), rtol=1e-5,
                                atol=1e-5)
 
@@ -115,18 +122,19 @@ def test_strided_inputs_and_bshd_output():
     """diffusers passes (B, S, H, D) tensors transposed to (B, H, S, D); q, k, v as views of one packed qkv."""
     sizes = [7, 2, 9, 5]
     s = sum(sizes)
-    packed = torch.randn(2, s, 3, 2, 16)
+    packed = torch.randn(2, s, 3, 2, 16, device=DEVICE)
     q, k, v = (packed[:, :, i].transpose(1, 2) for i in range(3))
     assert not q.is_contiguous()
     out, _ = check(q, k, v, [offsets_of(sizes)], "none", out_layout="bshd")
     assert out.transpose(1, 2).is_contiguous()
-    target = torch.empty(2, 2, s, 16)
-    out2 = grouped_attention(q, k, v, build_plan([offsets_of(sizes)], "none", s, block_m=16, block_n=8), out=target)
+    target = torch.empty(2, 2, s, 16, device=DEVICE)
+    plan = build_plan([offsets_of(sizes)], "none", s, block_m=16, block_n=16, device=DEVICE)
+    out2 = grouped_attention(q, k, v, plan, out=target)
     assert out2 is target and torch.equal(out2, out)
 
 
 def test_plan_key_ranges():
-    plan = build_plan([offsets_of([3, 7, 5, 1, 9, 40])], "none", 65, block_m=16, block_n=8)
+    plan = build_plan([offsets_of([3, 7, 5, 1, 9, 40])], "none", 65, block_m=16, block_n=16)
     lo, f0, f1, hi = plan.meta[0].T.tolist()
     # tile 0 (rows 0..15): groups 0..3 -> keys [0, 16); tile 1 (rows 16..31): groups [16, 25) and [25, 65)
     assert (lo[0], hi[0]) == (0, 16) and f0[0] == f1[0]
@@ -140,7 +148,7 @@ def test_plan_key_ranges():
 
 @settings(max_examples=12, deadline=None)
 @given(st.lists(st.integers(1, 20), min_size=1, max_size=6), st.sampled_from(["none", "causal", "covariate_target"]),
-       st.sampled_from([(16, 8), (16, 16), (32, 16)]), st.integers(0, 2**16))
+       st.sampled_from([(16, 16), (32, 16), (16, 32)]), st.integers(0, 2**16))
 def test_random_partitions(sizes, rule, blocks, seed):
     s = sum(sizes)
     g = torch.Generator().manual_seed(seed)
@@ -148,6 +156,24 @@ def test_random_partitions(sizes, rule, blocks, seed):
     tgt = tuple(bool(x) for x in torch.rand(s, generator=g) < 0.3)
     q, k, v = qkv(1, 1, s, 16, torch.float32, seed=seed)
     check(q, k, v, [offsets_of(sizes)], rule, [cov], [tgt], block_m=blocks[0], block_n=blocks[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("launch", [dict(tma=True, num_warps=4), dict(tma=True, warp_specialize=True, num_warps=8),
+                                    dict(fast_exp="f16x2"), dict(tma=True, fast_exp="bf16x2")])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_tma_and_warp_specialised_paths(launch, dtype):
+    sizes = [3, 70, 5, 1, 150, 9, 64]
+    cov, tgt = variate_flags(sizes)
+    q, k, v = qkv(2, 4, sum(sizes), 64, dtype, hkv=2)
+    for rule in ("none", "causal", "covariate_target"):
+        check(q, k, v, [offsets_of(sizes)], rule, [cov], [tgt], block_m=64, block_n=32, **launch)
+    q, k, v = qkv(1, 2, sum(sizes), 24, dtype)  # head dim padded by TMA's zero fill
+    check(q, k, v, [offsets_of(sizes)], "causal", block_m=64, block_n=32, **launch)
+    packed = torch.randn(2, sum(sizes), 3, 4, 32, device=DEVICE, dtype=dtype)
+    q, k, v = (packed[:, :, i].transpose(1, 2) for i in range(3))
+    check(q, k, v, [offsets_of(sizes)], "none", block_m=64, block_n=32, out_layout="bshd", **launch)
 
 
 def _form_and_call(mask, q, is_causal=False):
@@ -158,8 +184,8 @@ def _form_and_call(mask, q, is_causal=False):
 
 
 def test_form_rules_and_runner():
-    mask = variate_mask([3, 5, 4])
-    q = torch.randn(2, 2, 12, 16)
+    mask = variate_mask([3, 5, 4]).to(DEVICE)
+    q = torch.randn(2, 2, 12, 16, device=DEVICE)
     form, call = _form_and_call(mask, q)
     assert call.mask.kind == "block_diagonal" and form.rule(call) is None
     out = form.runner(call)(call)
@@ -168,19 +194,28 @@ def test_form_rules_and_runner():
     assert "BLOCK_M=" in form.runner(call).detail
     _, causal_call = _form_and_call(mask, q, is_causal=True)
     assert form.rule(causal_call) == "is_causal with a mask is not served"
-    additive = torch.zeros(12, 12).masked_fill(~dense_mask([(0, 3, 4, 12)], "covariate_target", 12,
-                                                          [(False,) * 3 + (True,) * 9],
-                                                          [(False,) * 3 + (True,) + (False,) * 8])[0, 0], -1e9)
-    _, empty = _form_and_call(additive, q)
-    assert empty.mask.kind == "block_diagonal" and empty.mask.empty_rows
-    assert form.rule(empty).startswith("rows with no allowed key")
+    # A classified block_diagonal mask cannot have empty rows (an empty row's column would have to be whole);
+    # the rule still refuses the combination with an additive mask, where SDPA averages such rows.
+    additive = torch.zeros(12, 12, device=DEVICE).masked_fill(~mask, float("-inf"))
+    _, add_call = _form_and_call(additive, q)
+    assert add_call.mask == call.mask and form.rule(add_call) is None
+    add_call.mask = dataclasses.replace(add_call.mask, empty_rows=True)
+    assert form.rule(add_call).startswith("rows with no allowed key")
+    call.mask = dataclasses.replace(call.mask, empty_rows=True)
+    assert form.rule(call) is None  # bool mask: zeros, as SDPA gives
 
 
-def test_binds_on_the_tirex_like_host_and_detaches_exactly():
+def test_binds_on_the_tirex_like_host_and_detaches_exactly(tmp_path):
+    spec = (Path(specs_dir()) / "attention_core" / "grouped_tiles.toml").read_text()
+    (tmp_path / "grouped_tiles.toml").write_text(spec.replace('devices = ["cuda"]', 'devices = ["cpu", "cuda"]'))
+    catalog = Catalog.load([tmp_path])  # the shipped spec is CUDA-only; the interpreter serves the CPU here
     model, inputs = host_and_inputs([3, 7, 5, 4, 6])
+    model = model.to(DEVICE)
+    inputs = {k: v.to(DEVICE) for k, v in inputs.items()}
     reference = outputs(model, inputs)
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    plan = attach(model, inputs, min_speedup=0, attention_forms=["grouped_tiles"], timing_rounds=1)
+    plan = attach(model, inputs, min_speedup=0, attention_forms=["grouped_tiles"], timing_rounds=1,
+                  catalog=catalog)
     try:
         for site in plan.sites:
             shape = site.shapes[0]
@@ -190,7 +225,7 @@ def test_binds_on_the_tirex_like_host_and_detaches_exactly():
         assert sum(plan.routed.values()) == 2
     finally:
         detach(plan)
-    assert F.scaled_dot_product_attention is F.scaled_dot_product_attention
+    assert F.scaled_dot_product_attention is SDPA
     assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
     assert torch.equal(outputs(model, inputs), reference)
 

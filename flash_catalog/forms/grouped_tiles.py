@@ -16,16 +16,32 @@ import torch
 from ..calls import AttentionCall
 from ..gate import median_seconds
 from ..kernels.grouped_attention import (MAX_HEAD_DIM, RULES, GroupPlan, build_plan, candidate_configs,
-                                         grouped_attention, interpreter_active)
+                                         grouped_attention, interpreter_active, tma_eligible)
 from .base import AttentionForm, Runner
 
-CPU_CONFIG = {"block_m": 32, "block_n": 16, "num_warps": 4, "num_stages": 1}
-FP32_PRECISION = "ieee"  # fp32 hosts: full fp32 products (Triton's default would be TF32)
+CPU_CONFIG = {"block_m": 32, "block_n": 16, "num_warps": 4, "num_stages": 1, "tma": False, "warp_specialize": False,
+              "fast_exp": "off"}
+REPEATS = 5
+FP32_PRECISION = "tf32x3"  # fp32 hosts: three TF32 products per dot, fp32-level error (Triton's default is TF32)
 
 
-def _run(plan: GroupPlan, num_warps: int, num_stages: int, call: AttentionCall) -> torch.Tensor:
-    return grouped_attention(call.query, call.key, call.value, plan, scale=call.scale, num_warps=num_warps,
-                             num_stages=num_stages, fp32_precision=FP32_PRECISION, out_layout=call.layout)
+def _run(plan: GroupPlan, cfg: dict, call: AttentionCall) -> torch.Tensor:
+    return grouped_attention(call.query, call.key, call.value, plan, scale=call.scale, num_warps=cfg["num_warps"],
+                             num_stages=cfg["num_stages"], tma=cfg["tma"], warp_specialize=cfg["warp_specialize"],
+                             fast_exp=cfg["fast_exp"], fp32_precision=FP32_PRECISION, out_layout=call.layout)
+
+
+def _describe(plan: GroupPlan, cfg: dict, call: AttentionCall) -> str:
+    text = f"{plan.describe()}, {cfg['num_warps']} warps, {cfg['num_stages']} stages"
+    if cfg["tma"] and tma_eligible(call.query, call.key, call.value):
+        text += ", TMA"
+    if cfg["warp_specialize"]:
+        text += ", warp-specialised"
+    if cfg["fast_exp"] != "off" and call.query.dtype != torch.float32:
+        text += f", exp2 {cfg['fast_exp']}"
+    if call.query.dtype == torch.float32:
+        text += f", fp32 {FP32_PRECISION}"
+    return text
 
 
 def _mean_group(call: AttentionCall) -> float:
@@ -57,6 +73,8 @@ class GroupedTiles(AttentionForm):
         if k.shape[1] != v.shape[1] or (k.shape[1] != q.shape[1]
                                         and (not call.enable_gqa or q.shape[1] % k.shape[1])):
             return f"heads q {q.shape[1]}, k {k.shape[1]}, v {v.shape[1]} not served"
+        if call.scale is not None and not call.scale > 0:
+            return f"scale {call.scale} <= 0"
         if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
             return f"head_dim {max(q.shape[-1], v.shape[-1])} > {MAX_HEAD_DIM}"
         if info.empty_rows and (call.attn_mask is None or call.attn_mask.dtype != torch.bool):
@@ -70,25 +88,21 @@ class GroupedTiles(AttentionForm):
         plan_for = functools.cache(lambda bm, bn: build_plan(
             info.offsets, info.group_rule, seq, covariate_rows=info.covariate_rows, target_cols=info.target_cols,
             block_m=bm, block_n=bn, device=device))
-        precision = f", fp32 {FP32_PRECISION}" if call.query.dtype == torch.float32 else ""
         if device.type != "cuda":
-            cfg = CPU_CONFIG
-            plan = plan_for(cfg["block_m"], cfg["block_n"])
-            return Runner(functools.partial(_run, plan, cfg["num_warps"], cfg["num_stages"]),
-                          plan.describe() + precision)
+            plan = plan_for(CPU_CONFIG["block_m"], CPU_CONFIG["block_n"])
+            return Runner(functools.partial(_run, plan, CPU_CONFIG), _describe(plan, CPU_CONFIG, call))
         best: tuple[float, Runner] | None = None
         failures = []
-        for cfg in candidate_configs(call.query.shape[-1], _mean_group(call)):
+        for cfg in candidate_configs(call.query.shape[-1], _mean_group(call), call.query.dtype):
             plan = plan_for(cfg["block_m"], cfg["block_n"])
-            run = functools.partial(_run, plan, cfg["num_warps"], cfg["num_stages"])
-            try:
-                seconds = median_seconds(lambda: run(call), device, samples=3)
+            run = functools.partial(_run, plan, cfg)
+            try:  # several calls per sample: steady-state time, host-side launch cost overlapped as in a model
+                seconds = median_seconds(lambda: [run(call) for _ in range(REPEATS)], device, samples=3)
             except Exception as exc:  # this configuration does not compile or fit here (shared memory)
                 failures.append(f"{cfg}: {type(exc).__name__}")
                 continue
             if best is None or seconds < best[0]:
-                detail = f"{plan.describe()}, {cfg['num_warps']} warps, {cfg['num_stages']} stages{precision}"
-                best = (seconds, Runner(run, detail))
+                best = (seconds, Runner(run, _describe(plan, cfg, call)))
         if best is None:
             raise RuntimeError(f"{self.name}: no tile configuration runs here ({'; '.join(failures)})")
         return best[1]
