@@ -110,6 +110,14 @@ def read_ffn(module: nn.Module) -> FfnLayout | str:
     return FfnLayout(name, proj_in, proj_out, tuple(m for m in net[1:] if type(m) is nn.Dropout))
 
 
+def adopt_layout(form_name: str, module: nn.Module) -> FfnLayout:
+    """The host's layout, or a ValueError naming the form and why it cannot adopt the host."""
+    layout = read_ffn(module)
+    if isinstance(layout, str):
+        raise ValueError(f"{form_name}: cannot adopt the host: {layout}")
+    return layout
+
+
 def ffn_rule(module: nn.Module, x: torch.Tensor) -> tuple[FfnLayout | None, str | None]:
     """Narrowing rules shared by the FFN forms: host layout, inference only, input width and dtype, alignment."""
     layout = read_ffn(module)
@@ -208,9 +216,7 @@ class Fp8RowwiseFfn(FfnForm):
 
     @torch.no_grad()
     def build(self, module: nn.Module) -> nn.Module:
-        layout = read_ffn(module)
-        if isinstance(layout, str):
-            raise ValueError(f"{self.name}: cannot adopt the host: {layout}")
+        layout = adopt_layout(self.name, module)
         w1, s1 = quantize_weight_fp8(layout.proj_in.weight)
         w2, s2 = quantize_weight_fp8(layout.proj_out.weight)
         return QuantizedFeedForward(layout.activation, layout.dtype, w1, s1, copied_bias(layout.proj_in),

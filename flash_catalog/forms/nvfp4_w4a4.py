@@ -12,7 +12,7 @@ from torch import nn
 
 from ..kernels.nvfp4 import NvFp4Tensor, nvfp4_linear, quantize_nvfp4
 from .ffn_base import FfnForm
-from .fp8_rowwise import ACTIVATIONS, copied_bias, ffn_rule, host_activation, read_ffn
+from .fp8_rowwise import ACTIVATIONS, adopt_layout, copied_bias, ffn_rule, host_activation
 
 NATIVE_CAPABILITY = (10, 0)
 _PARTS = ("codes", "block_scale", "global_scale")
@@ -84,9 +84,7 @@ class NvFp4Ffn(FfnForm):
 
     @torch.no_grad()
     def build(self, module: nn.Module) -> nn.Module:
-        layout = read_ffn(module)
-        if isinstance(layout, str):
-            raise ValueError(f"{self.name}: cannot adopt the host: {layout}")
+        layout = adopt_layout(self.name, module)
         if not self.allow_emulation:
             raise ValueError(f"{self.name}: no native NVFP4 path; set allow_emulation=True to build the emulation")
         return NvFp4FeedForward(layout.activation, layout.dtype,
