@@ -67,11 +67,26 @@ class Catalog:
 
 
 def build_form(spec: Spec) -> Any:
-    """Import the spec's implementation and construct the form object for it."""
+    """Import the spec's implementation and construct the form object for it.
+
+    A missing optional dependency of the implementation (triton on a CPU-only machine, say) gives an
+    `Unavailable` form that every site refuses with the reason; a wrong implementation path is a SpecError.
+    """
+    from .forms.unavailable import Unavailable
+
     module_name, _, attr = spec.implementation.partition(":")
     try:
-        cls = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        if missing and (module_name == missing or module_name.startswith(missing + ".")):
+            raise SpecError(f"{spec.path}: field 'implementation' is {spec.implementation!r}; "
+                            f"allowed: an importable 'module:Class' (no module {missing!r})") from exc
+        return Unavailable(spec, f"needs {missing}, which is not installed")
+    except ImportError as exc:
+        return Unavailable(spec, f"import failed: {exc}")
+    cls = getattr(module, attr, None)
+    if cls is None:
         raise SpecError(f"{spec.path}: field 'implementation' is {spec.implementation!r}; "
-                        f"allowed: an importable 'module:Class' ({exc})") from exc
+                        f"allowed: an importable 'module:Class' ({module_name} has no {attr!r})")
     return cls(spec)

@@ -115,10 +115,11 @@ def decide_shape(site: str, captured: CapturedCall, forms: list[AttentionForm], 
             record.trail.append(record.reason)
             return record, best.runner
     if declined is not None:
-        _fill(record, "declined", declined)
+        _fill(record, "declined", declined)  # reason: that form's measurement; the trail keeps every line
+        record.reason = next(t for t in record.trail if t.startswith(f"{declined.form.name}: declined"))
     else:
         record.outcome = "refused"
-    record.reason = "; ".join(record.trail)
+        record.reason = "; ".join(record.trail)
     return record, None
 
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from diffusers.models import attention_dispatch
 from diffusers.models.transformers import transformer_ltx, transformer_ltx2, transformer_wan
 
-from flash_catalog import AttachError, Catalog, attach, detach
+from flash_catalog import AttachError, Catalog, SpecError, attach, detach
 from flash_catalog.catalog import specs_dir
 from flash_catalog.tiny_hosts import build
 
@@ -382,3 +382,27 @@ def test_a_form_that_fails_to_build_is_refused_and_the_next_one_tried(tmp_path):
                               "at q=(1,24,2,16)")
     assert shape.outcome == "bound" and shape.form == "sdpa_dense"
     detach(plan)
+
+
+def test_a_form_with_a_missing_dependency_is_refused_not_fatal(tmp_path):
+    write_spec(tmp_path, "needs_dep", "needs_missing_dependency:Form")
+    write_spec(tmp_path, "sdpa_dense")
+    host = build("flux")
+    plan = attach(host.model, host.inputs(), catalog=Catalog.load([tmp_path]), min_speedup=0,
+                  attention_forms=["needs_dep", "sdpa_dense"])
+    shape = plan.site("transformer_blocks.0.attn#0").shapes[0]
+    assert shape.trail[0] == ("needs_dep: implementation unavailable (needs definitely_missing_package_xyz, "
+                              "which is not installed) at q=(1,24,2,16)")
+    assert shape.outcome == "bound" and shape.form == "sdpa_dense"
+    detach(plan)
+
+
+@pytest.mark.parametrize("implementation,match", [
+    ("no_such_module_abc:Form", r"allowed: an importable 'module:Class' \(no module 'no_such_module_abc'\)"),
+    ("noisy_form:NoSuchClass", r"noisy_form has no 'NoSuchClass'"),
+])
+def test_a_wrong_implementation_path_is_a_spec_error(tmp_path, implementation, match):
+    write_spec(tmp_path, "typo", implementation)
+    host = build("flux")
+    with pytest.raises(SpecError, match=match):
+        attach(host.model, host.inputs(), catalog=Catalog.load([tmp_path]))
