@@ -33,6 +33,10 @@ def build_block_mask(info: MaskInfo, sq: int, skv: int, device: torch.device, bl
     else:
         left, right = (sq + skv, 0) if info.kind == CAUSAL else info.window  # type: ignore[misc]
         any_, full, mask_mod = _band(left, right, q_lo, q_hi, k_lo, k_hi)
+        if info.key_valid is not None:  # causal with padding: only valid keys, per batch row
+            pad_any, pad_full, valid_key = _padding(info, skv, device, block, nq, nk)
+            any_, full = any_ & pad_any, full & pad_full
+            mask_mod = _both(mask_mod, valid_key)
     if skv % block:  # the last kv block runs past the keys: always masked
         full[..., -1] = False
     partial = any_ & ~full
@@ -124,3 +128,10 @@ def _band(left: int, right: int, q_lo, q_hi, k_lo, k_hi) -> tuple[torch.Tensor, 
         return (k <= q + right) & (k >= q - left)
 
     return any_[None], full[None], band
+
+
+def _both(first: Callable, second: Callable) -> Callable:
+    def both(b, h, q, k):
+        return first(b, h, q, k) & second(b, h, q, k)
+
+    return both

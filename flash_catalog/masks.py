@@ -8,7 +8,8 @@ of any shape broadcastable to (B, H, Sq, Skv). Kinds, tested in this order:
 - all_pass: nothing is blocked (safe to drop the mask).
 - key_padding: within a batch row every query row sees the same key-validity vector (per batch row;
   the heads must agree). The valid keys need not be a prefix.
-- causal: top-left aligned lower triangle, key j allowed for query i iff j <= i (SDPA's is_causal).
+- causal: top-left aligned lower triangle, key j allowed for query i iff j <= i (SDPA's is_causal);
+  with `key_valid` set, also only the valid keys of each batch row (a decoder with padding).
 - sliding_window: top-left band, key j allowed for query i iff i - left <= j <= i + right
   (left, right >= 0; right == 0 is a causal window, left == right a symmetric one).
 - block_diagonal: square, the sequence cut into contiguous groups (flash-attn cu_seqlens style offsets,
@@ -54,7 +55,7 @@ class MaskInfo:
 
     kind: one of the kind strings above.
     empty_rows: some query row sees no key (host kernels disagree there: NaN, uniform average, zeros).
-    key_valid: key_padding: per batch row, which keys are valid.
+    key_valid: key_padding, or causal with padding: per batch row, which keys are valid.
     key_lengths: key_padding, when every key_valid is a prefix: the number of valid keys per batch row.
     window: sliding_window: (left, right); key j is allowed for query i iff i - left <= j <= i + right.
     offsets: block_diagonal: per batch row, group boundaries (0, end of group 0, ..., S).
@@ -189,10 +190,23 @@ def _describe_bool(a: torch.Tensor) -> MaskInfo:
         if info is not None:
             return info
     if sq == skv:
-        info = _block_diagonal(a3, u, i, count, first, last, empty)
+        info = _block_diagonal(a3, u, i, count, first, last, empty) or _causal_padding(a3, empty)
         if info is not None:
             return info
     return MaskInfo(ARBITRARY, empty_rows=empty)
+
+
+def _causal_padding(a3: torch.Tensor, empty: bool) -> MaskInfo | None:
+    """Square a3 (b, S, S) equal to the causal triangle AND one key-validity vector per batch row (a decoder
+    with padding): kind causal, with `key_valid`. The last row sees every valid key, so it is that vector."""
+    valid = a3[:, -1, :]
+    s = a3.shape[-1]
+    tril = torch.ones(s, s, dtype=torch.bool, device=a3.device).tril()
+    if not bool((a3 == (tril & valid[:, None, :])).all()):
+        return None
+    prefix = not bool((valid[:, 1:] & ~valid[:, :-1]).any())
+    lengths = tuple(int(n) for n in valid.sum(-1).tolist()) if prefix else None
+    return MaskInfo(CAUSAL, empty_rows=empty, key_valid=_flags(valid), key_lengths=lengths)
 
 
 def _row_stats(u: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -347,3 +347,24 @@ def test_large_mask_is_quick(kind: str) -> None:
     elapsed = time.perf_counter() - start
     assert info.kind in (CAUSAL, BLOCK_DIAGONAL)
     assert elapsed < 0.5, f"{kind}: {elapsed * 1e3:.0f} ms"  # ~5-15 ms on 2 CPU cores; loose for loaded CI
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(2, 40), st.lists(st.integers(0, 40), min_size=1, max_size=3), st.booleans())
+def test_causal_with_padding(s, pads, left):
+    """A decoder's mask: the causal triangle AND each batch row's valid keys."""
+    valid = torch.ones(len(pads), s, dtype=torch.bool)
+    for b, p in enumerate(pads):
+        p = min(p, s - 1)
+        if left:
+            valid[b, :p] = False
+        else:
+            valid[b, s - p:] = False if p else True
+    if bool(valid.all()):
+        valid[0, -1] = False
+    mask = torch.ones(s, s, dtype=torch.bool).tril()[None, None] & valid[:, None, None, :]
+    assume(not bool((mask == mask[:, :, :1]).all()))  # every row alike: that is key padding, checked elsewhere
+    info = describe_mask(mask)
+    assert info.kind == "causal"
+    rows = info.key_valid if len(info.key_valid) == len(pads) else info.key_valid * len(pads)
+    assert torch.equal(torch.tensor(rows), valid)

@@ -52,13 +52,18 @@ def test_causal_decoder_binds_and_detaches_exactly():
     assert torch.equal(hidden(model, inputs), reference)
 
 
-def test_decoder_with_padding_is_refused_with_the_mask_class():
+def test_decoder_with_padding_routes_causal_padding_to_the_block_sparse_form():
     model = llama()
-    plan = attach(model, {"input_ids": IDS, "attention_mask": PADDED}, min_speedup=0)
-    site = plan.site("layers.0.self_attn#0")
-    assert site.outcome == "refused"
-    assert "sdpa_dense: mask arbitrary not in [none, all_pass] at q=(2,4,12,8)" in site.reason
+    inputs = {"input_ids": IDS, "attention_mask": PADDED}
+    reference = hidden(model, inputs)
+    plan = attach(model, inputs, min_speedup=0)
+    site = plan.site("layers.0.self_attn#0").shapes[0]
+    assert "mask=causal" in site.shape
+    assert site.outcome == "bound" and site.form == "flex_blocksparse", str(plan)
+    assert "sdpa_dense: mask causal not in [none, all_pass] at q=(2,4,12,8)" in site.trail
+    torch.testing.assert_close(hidden(model, inputs), reference, rtol=1e-5, atol=1e-5)
     detach(plan)
+    assert torch.equal(hidden(model, inputs), reference)
 
 
 def test_encoder_key_padding_routes_to_the_block_sparse_form():
