@@ -406,3 +406,16 @@ def test_a_wrong_implementation_path_is_a_spec_error(tmp_path, implementation, m
     host = build("flux")
     with pytest.raises(SpecError, match=match):
         attach(host.model, host.inputs(), catalog=Catalog.load([tmp_path]))
+
+
+def test_a_site_called_at_two_shapes_is_decided_per_shape():
+    host = build("ltx")
+    small, large = host.inputs(1), host.inputs(2)
+    plan = attach(host.model, lambda: (host.model(**small), host.model(**large)), min_speedup=0)
+    site = plan.site("transformer_blocks.0.attn1#0")
+    assert [s.shape.split()[0] for s in site.shapes] == ["q=(2,32,2,8)", "q=(2,128,2,8)"]
+    assert all(s.outcome == "bound" and s.calls == 1 for s in site.shapes)
+    run(host.model, small)
+    run(host.model, large)
+    assert plan.fallbacks == {} and plan.routed["transformer_blocks.0.attn1#0"] == 2
+    detach(plan)
