@@ -371,28 +371,21 @@ def test_unmet_package_requirement_refuses(tmp_path, requirement, expected):
     detach(plan)
 
 
-def test_a_form_that_fails_to_build_is_refused_and_the_next_one_tried(tmp_path):
-    write_spec(tmp_path, "broken", "noisy_form:Broken")
+@pytest.mark.parametrize("implementation,first_line", [
+    ("noisy_form:Broken",
+     "broken: failed to run (RuntimeError: no kernel image for this device) at q=(1,24,2,16)"),
+    ("needs_missing_dependency:Form",
+     "broken: implementation unavailable (needs definitely_missing_package_xyz, which is not installed) "
+     "at q=(1,24,2,16)"),
+])
+def test_a_form_that_cannot_run_is_refused_and_the_next_one_tried(tmp_path, implementation, first_line):
+    write_spec(tmp_path, "broken", implementation)
     write_spec(tmp_path, "sdpa_dense")
     host = build("flux")
     plan = attach(host.model, host.inputs(), catalog=Catalog.load([tmp_path]), min_speedup=0,
                   attention_forms=["broken", "sdpa_dense"])
     shape = plan.site("transformer_blocks.0.attn#0").shapes[0]
-    assert shape.trail[0] == ("broken: failed to run (RuntimeError: no kernel image for this device) "
-                              "at q=(1,24,2,16)")
-    assert shape.outcome == "bound" and shape.form == "sdpa_dense"
-    detach(plan)
-
-
-def test_a_form_with_a_missing_dependency_is_refused_not_fatal(tmp_path):
-    write_spec(tmp_path, "needs_dep", "needs_missing_dependency:Form")
-    write_spec(tmp_path, "sdpa_dense")
-    host = build("flux")
-    plan = attach(host.model, host.inputs(), catalog=Catalog.load([tmp_path]), min_speedup=0,
-                  attention_forms=["needs_dep", "sdpa_dense"])
-    shape = plan.site("transformer_blocks.0.attn#0").shapes[0]
-    assert shape.trail[0] == ("needs_dep: implementation unavailable (needs definitely_missing_package_xyz, "
-                              "which is not installed) at q=(1,24,2,16)")
+    assert shape.trail[0] == first_line
     assert shape.outcome == "bound" and shape.form == "sdpa_dense"
     detach(plan)
 
