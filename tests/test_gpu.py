@@ -102,3 +102,21 @@ def test_cuda_fp8_ffn_offloads_host_weights_and_restores_them():
     with torch.no_grad():
         assert torch.equal(host.model(**inputs)[0], reference)
         assert torch.equal(host.model(**bigger)[0], fallback)
+
+
+def test_cuda_sage2_op_compiles_and_replays_in_a_cuda_graph():
+    from flash_catalog.kernels.sage2_op import sage2_attention_op
+
+    q, k, v = (torch.randn(1, 8, 1024, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    eager = sage2_attention_op(q, k, v, None, "fp8", False)
+    compiled = torch.compile(lambda a, b, c: sage2_attention_op(a, b, c, None, "fp8", False), fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v), eager, rtol=0, atol=0)
+    static = [t.clone() for t in (q, k, v)]
+    sage2_attention_op(*static, None, "fp8", False)  # warm up (compile the Triton kernels) before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = sage2_attention_op(*static, None, "fp8", False)
+    for t, src in zip(static, (q, k, v)):
+        t.copy_(src * 0.5)
+    graph.replay()
+    torch.testing.assert_close(out, sage2_attention_op(*static, None, "fp8", False), rtol=0, atol=0)

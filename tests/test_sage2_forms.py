@@ -52,3 +52,18 @@ def test_sage2_binds_through_the_interpreter_and_detaches(tmp_path):
         detach(plan)
         with torch.no_grad():
             assert torch.equal(model(x), reference)
+
+
+def test_the_custom_op_traces_under_torch_compile():
+    """torch.compile sees the registered op (its fake gives the shape) instead of breaking the graph."""
+    from flash_catalog.kernels.sage2_op import sage2_attention_op
+
+    q, k, v = (torch.randn(1, 2, 33, 64, dtype=torch.float16) for _ in range(3))
+
+    def f(q, k, v):
+        return sage2_attention_op(q, k, v, None, "fp16", False) * 2
+
+    compiled = torch.compile(f, backend="eager", fullgraph=True)
+    out = compiled(q, k, v)
+    assert out.shape == (1, 2, 33, 64) and out.dtype == torch.float16
+    torch.testing.assert_close(out, f(q, k, v), rtol=0, atol=0)

@@ -7,14 +7,14 @@ import functools
 import torch
 
 from ..calls import AttentionCall
-from ..kernels.sage2_attention import sage2_attention
+from ..kernels.sage2_op import sage2_attention_op
 from ..masks import ALL_PASS
 from .base import AttentionForm, Runner
 
 
 def _run(pv: str, call: AttentionCall) -> torch.Tensor:
     # an all-pass mask is dropped: the envelope admits only none and all_pass
-    return sage2_attention(call.query, call.key, call.value, scale=call.scale, pv=pv, is_causal=call.is_causal)
+    return sage2_attention_op(call.query, call.key, call.value, call.scale, pv, call.is_causal)
 
 
 class _Sage2(AttentionForm):
