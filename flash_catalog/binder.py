@@ -11,7 +11,7 @@ from torch import nn
 from .adapters import pick_adapter
 from .adapters.install import Installation
 from .adapters.patches import GlobalPatch
-from .adapters.ffn import FfnCapture, FfnRoute, find_ffn_sites
+from .adapters.ffn import FfnCapture, FfnRoute, find_ffn_sites, find_projection_sites
 from .adapters.router import AttentionRouter
 from .catalog import Catalog, build_form
 from .decide import GateOptions, TimingCache, decide_shape
@@ -44,6 +44,7 @@ def reset_default_catalog() -> None:
 
 def attach(model: nn.Module, example: Example, *, attention_forms: Sequence[str] | None = None,
            ffn_forms: Sequence[str] | None = None, profile: str | None = None,
+           projections: Sequence[str] | None = None,
            min_speedup: float | None = None, min_cosine: float | None = None,
            max_rel_err: float | None = None, sites: Sequence[str] | None = None,
            timing_rounds: int | None = None, allow_emulation: bool = False,
@@ -54,10 +55,11 @@ def attach(model: nn.Module, example: Example, *, attention_forms: Sequence[str]
     `example` drives the calibration: a dict of forward kwargs, a tuple of args, or a zero-argument
     callable. `attention_forms=None` tries the catalog's default order; `[]` keeps the host everywhere.
     Feed-forward forms quantize weights, so they run only when named (`ffn_forms=`) or by a `profile`;
-    explicit form lists outrank the profile. `sites` keeps only site modules matching a glob pattern.
+    explicit form lists outrank the profile. `projections` (globs) adds matching `nn.Linear` modules, such as
+    attention projections, as sites for the feed-forward forms. `sites` keeps only sites matching a glob.
     """
     catalog = catalog or default_catalog()
-    attention_names, ffn_names = _resolve_profile(profile, attention_forms, ffn_forms)
+    attention_names, ffn_names, projections = _resolve_profile(profile, attention_forms, ffn_forms, projections)
     specs = catalog.select("attention_core", attention_names)
     ffn_specs = catalog.select("vision_ffn", ffn_names)
     options = GateOptions(min_speedup, min_cosine, max_rel_err, timing_rounds)
@@ -67,7 +69,8 @@ def attach(model: nn.Module, example: Example, *, attention_forms: Sequence[str]
     ffn_forms_built = [_ffn_form(s, allow_emulation) for s in ffn_specs]
     adapter = pick_adapter(model)
     modules = _filter_sites(adapter.find_sites(model), sites)
-    ffn_modules = _filter_sites(find_ffn_sites(model), sites) if ffn_specs else {}
+    ffn_modules = _filter_sites({**find_ffn_sites(model), **find_projection_sites(model, list(projections))},
+                                sites) if ffn_specs else {}
     if sites is not None and not modules and not ffn_modules:
         raise ValueError(f"sites={list(sites)!r} matches no site; attention sites are: "
                          f"{_some(adapter.find_sites(model))}; feed-forward sites: {_some(find_ffn_sites(model))}")
@@ -120,7 +123,8 @@ def attach(model: nn.Module, example: Example, *, attention_forms: Sequence[str]
         sites=records,
         environment=environment(device),
         options={"attention_forms": [s.name for s in specs], "ffn_forms": [s.name for s in ffn_specs],
-                 "profile": profile, "adapter": adapter.name, "min_speedup": min_speedup,
+                 "profile": profile, "projections": list(projections), "adapter": adapter.name,
+                 "min_speedup": min_speedup,
                  "min_cosine": min_cosine, "max_rel_err": max_rel_err,
                  "sites": list(sites) if sites is not None else None,
                  "keep_host_on_device": keep_host_on_device, "allow_emulation": allow_emulation},
@@ -168,13 +172,19 @@ def _install_router(adapter, modules: dict[str, nn.Module]) -> Installation:
 
 
 def _resolve_profile(profile: str | None, attention_forms: Sequence[str] | None,
-                     ffn_forms: Sequence[str] | None) -> tuple[Sequence[str] | None, Sequence[str]]:
+                     ffn_forms: Sequence[str] | None, projections: Sequence[str] | None
+                     ) -> tuple[Sequence[str] | None, Sequence[str], Sequence[str]]:
+    """Explicit arguments first, then the profile's selection, then the defaults."""
     chosen = get_profile(profile) if profile is not None else None
     if attention_forms is None and chosen is not None and chosen.attention_forms is not None:
         attention_forms = list(chosen.attention_forms)
     if ffn_forms is None:
         ffn_forms = list(chosen.ffn_forms) if chosen is not None and chosen.ffn_forms is not None else []
-    return attention_forms, ffn_forms
+    if projections is None:
+        projections = list(chosen.projections) if chosen is not None else []
+    if isinstance(projections, str):
+        raise TypeError(f"projections must be a list of glob patterns, not the string {projections!r}")
+    return attention_forms, ffn_forms, projections
 
 
 def _ffn_form(spec, allow_emulation: bool):

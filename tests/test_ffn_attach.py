@@ -60,8 +60,8 @@ def test_profiles_select_forms_and_explicit_lists_outrank_them():
     assert plan.options["ffn_forms"] == [] and plan.options["attention_forms"] == ["sdpa_dense"]
     assert all(s.kind == "attention" for s in plan.sites)
     detach(plan)
-    with pytest.raises(ValueError, match=r"unknown profile 'fast'; known: fp8_balance, fp8_balance_sage, "
-                                         r"nvfp4_balance_sage"):
+    with pytest.raises(ValueError, match=r"unknown profile 'fast'; known: fp8_balance, fp8_balance_proj, "
+                                         r"fp8_balance_sage, nvfp4_balance_sage"):
         attach(host.model, host.inputs(), profile="fast")
     with pytest.raises(ValueError, match=r"unknown vision_ffn form\(s\) 'int3'; known: fp8_rowwise, nvfp4_w4a4"):
         attach(host.model, host.inputs(), ffn_forms=["int3"])
@@ -102,4 +102,32 @@ def test_a_declined_form_keeps_nothing_alive(monkeypatch):
     assert all("< 1000000000.0" in s.reason for s in ffn)
     gc.collect()
     assert len(built) == 2 and all(ref() is None for ref in built)  # nothing held by the plan or closures
+    detach(plan)
+
+
+def test_whitelisted_projections_are_quantized_sites():
+    host = build("ltx2", dtype=torch.bfloat16)
+    inputs = host.inputs()
+    reference = run(host.model, inputs)
+    plan = attach(host.model, inputs, attention_forms=[], ffn_forms=["fp8_rowwise"], min_speedup=0,
+                  projections=["*.attn1.to_q", "*.attn1.to_out.0", "*.audio_attn1.to_q"])
+    names = [s.name for s in plan.sites if s.kind == "ffn"]
+    assert "transformer_blocks.0.attn1.to_q" in names and "transformer_blocks.1.attn1.to_out.0" in names
+    q = plan.site("transformer_blocks.0.attn1.to_q")
+    assert q.outcome == "bound" and q.form == "fp8_rowwise" and q.memory["form_bytes"] < q.memory["host_bytes"]
+    audio = plan.site("transformer_blocks.0.audio_attn1.to_q")
+    assert audio.outcome == "refused" and audio.reason == "fp8_rowwise: in_features 8 not a multiple of 16 at x=(2,9,8)"
+    attached = run(host.model, inputs)
+    for a, r in zip(attached, reference):
+        assert torch.nn.functional.cosine_similarity(a.float().flatten(), r.float().flatten(), dim=0) > 0.999
+    detach(plan)
+    assert all(torch.equal(a, r) for a, r in zip(run(host.model, inputs), reference))
+
+
+def test_the_projection_profile_names_its_patterns():
+    host = build("ltx", dtype=torch.bfloat16)
+    plan = attach(host.model, host.inputs(), profile="fp8_balance_proj", min_speedup=0)
+    assert plan.options["projections"] == ["*attn*.to_q", "*attn*.to_k", "*attn*.to_v", "*attn*.to_out.0"]
+    bound = {s.name for s in plan.sites if s.kind == "ffn" and s.outcome == "bound"}
+    assert {"transformer_blocks.0.attn2.to_k", "transformer_blocks.1.ff"} <= bound
     detach(plan)

@@ -363,7 +363,9 @@ def test_rule_texts():
     assert nvfp4_form(True).rule(ff, x) == f"activation 'mish' not in {LIST}"
     with pytest.raises(ValueError, match="mish"):
         form.build(ff)
-    assert form.rule(nn.Linear(64, 64), x) == "host Linear is not a diffusers FeedForward"
+    assert nvfp4_form(True).rule(nn.Linear(64, 64), x) == "host Linear is not a diffusers FeedForward"
+    assert form.rule(nn.Linear(64, 64), x) is None  # fp8_rowwise also serves whitelisted projections
+    assert form.rule(nn.Linear(64, 40), x) == "out_features 40 not a multiple of 16"
     ff = host("gelu")
     assert form.rule(ff, torch.randn(1, 4, 32)) == "input last dim 32 != in_features 64"
     assert form.rule(ff, x.to(torch.bfloat16)) == "input dtype bfloat16 != the host's weight dtype float32"

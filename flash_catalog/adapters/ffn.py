@@ -1,4 +1,5 @@
-"""Feed-forward sites: diffusers `FeedForward` modules, captured by a pre-hook and routed per instance.
+"""Feed-forward sites: diffusers `FeedForward` modules (and whitelisted `nn.Linear` projections), captured by a
+pre-hook and routed per instance.
 
 Routing sets `forward` on the module instance (removed again on detach), so the module object, its
 parameters and `state_dict` stay the host's. The bound form's quantized module is held here, never
@@ -30,6 +31,14 @@ def find_ffn_sites(model: nn.Module) -> dict[str, nn.Module]:
     except ImportError:
         return {}
     return {path: m for path, m in model.named_modules() if isinstance(m, FeedForward)}
+
+
+def find_projection_sites(model: nn.Module, patterns: list[str]) -> dict[str, nn.Module]:
+    """`nn.Linear` modules whose path matches a whitelisted glob (attention projections, say)."""
+    import fnmatch
+
+    return {path: m for path, m in model.named_modules()
+            if type(m) is nn.Linear and any(fnmatch.fnmatchcase(path, p) for p in patterns)}
 
 
 @dataclass

@@ -205,17 +205,55 @@ class QuantizedFeedForward(nn.Module):
         return fp8_linear(h, self.w2_fp8, self.w2_scale, self.b2, self.dtype, activation=fused)
 
 
+class QuantizedLinear(nn.Module):
+    """FP8 rowwise W8A8 `nn.Linear` (a whitelisted attention projection): its own e4m3 weight, scale, bias."""
+
+    def __init__(self, dtype: torch.dtype, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor) -> None:
+        super().__init__()
+        self.dtype = dtype
+        for name, t in (("w_fp8", w), ("w_scale", scale), ("bias", bias)):
+            self.register_buffer(name, t)
+
+    def resident_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.dtype:
+            raise ValueError(f"input dtype {x.dtype} differs from this module's {self.dtype}; no implicit cast")
+        return fp8_linear(x, self.w_fp8, self.w_scale, self.bias, self.dtype)
+
+
+def linear_rule(module: nn.Linear, x: torch.Tensor) -> str | None:
+    """Narrowing rules for a projection site: inference, matching width and dtype, GEMM alignment."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return "input requires grad (inference-only form)"
+    if x.shape[-1] != module.in_features:
+        return f"input last dim {x.shape[-1]} != in_features {module.in_features}"
+    if x.dtype != module.weight.dtype:
+        return (f"input dtype {str(x.dtype).removeprefix('torch.')} != the host's weight dtype "
+                f"{str(module.weight.dtype).removeprefix('torch.')}")
+    for label, d in (("in_features", module.in_features), ("out_features", module.out_features)):
+        if d % GEMM_ALIGN:
+            return f"{label} {d} not a multiple of {GEMM_ALIGN}"
+    return None
+
+
 class Fp8RowwiseFfn(FfnForm):
-    """FP8 e4m3 W8A8 with rowwise scales for diffusers FeedForward hosts."""
+    """FP8 e4m3 W8A8 with rowwise scales for diffusers FeedForward hosts and whitelisted `nn.Linear`s."""
 
     fuse_activation: bool = True
 
     def rule(self, module: nn.Module, x: torch.Tensor) -> str | None:
+        if type(module) is nn.Linear:
+            return linear_rule(module, x)
         _, text = ffn_rule(module, x)
         return text
 
     @torch.no_grad()
     def build(self, module: nn.Module) -> nn.Module:
+        if type(module) is nn.Linear:
+            w, scale = quantize_weight_fp8(module.weight)
+            return QuantizedLinear(module.weight.dtype, w, scale, copied_bias(module))
         layout = adopt_layout(self.name, module)
         w1, s1 = quantize_weight_fp8(layout.proj_in.weight)
         w2, s2 = quantize_weight_fp8(layout.proj_out.weight)
