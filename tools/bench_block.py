@@ -26,6 +26,7 @@ from flash_catalog.environment import environment  # noqa: E402
 SELECTIONS = {
     "default": {},
     "fp8_balance": {"profile": "fp8_balance"},
+    "fp8_balance_proj": {"profile": "fp8_balance_proj"},
     "fp8_balance_sage": {"profile": "fp8_balance_sage"},
 }
 
