@@ -17,7 +17,7 @@ from .catalog import Catalog, build_form
 from .decide import GateOptions, TimingCache, decide_shape
 from .decide_ffn import decide_ffn_site
 from .environment import environment
-from .forms.base import AttentionForm, Runner
+from .forms.base import AttentionForm
 from .plan import Plan, ShapeRecord, SiteRecord
 from .profiles import get_profile
 

@@ -92,7 +92,7 @@ def decide_ffn_site(module: nn.Module, inputs: dict[FfnKey, torch.Tensor], count
             form_bytes = tensor_bytes(module_tensors(built), device_type=device_type)
             memory = {"form_bytes": form_bytes, "host_bytes": host_bytes, "delta_bytes": form_bytes - host_bytes}
             return FfnDecision(list(records.values()), built, passed, memory)
-        del built  # bound nowhere: free what it allocated before the next form builds
+        built = None  # bound nowhere: free what it allocated before the next form builds
     for record in records.values():
         if record.outcome == "refused":
             record.reason = "; ".join(record.trail)
