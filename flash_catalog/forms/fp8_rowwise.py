@@ -125,19 +125,24 @@ def ffn_rule(module: nn.Module, x: torch.Tensor) -> tuple[FfnLayout | None, str 
         return None, layout
     if module.training and any(d.p > 0 for d in layout.dropouts):
         return layout, "dropout active (training mode with p > 0)"
-    if torch.is_grad_enabled() and x.requires_grad:
-        return layout, "input requires grad (inference-only form)"
-    if x.shape[-1] != layout.dim:
-        return layout, f"input last dim {x.shape[-1]} != in_features {layout.dim}"
-    if x.dtype != layout.dtype:
-        return layout, (f"input dtype {str(x.dtype).removeprefix('torch.')} != the host's weight dtype "
-                        f"{str(layout.dtype).removeprefix('torch.')}")
     dims = {"dim": layout.dim, "projection width": layout.proj_in.out_features, "inner dim": layout.inner,
             "output dim": layout.dim_out}
+    return layout, input_rule(x, layout.dim, layout.dtype, dims)
+
+
+def input_rule(x: torch.Tensor, width: int, dtype: torch.dtype, dims: dict[str, int]) -> str | None:
+    """Rules on the input shared by every quantized site: inference only, width, dtype, GEMM alignment."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return "input requires grad (inference-only form)"
+    if x.shape[-1] != width:
+        return f"input last dim {x.shape[-1]} != in_features {width}"
+    if x.dtype != dtype:
+        return (f"input dtype {str(x.dtype).removeprefix('torch.')} != the host's weight dtype "
+                f"{str(dtype).removeprefix('torch.')}")
     for label, d in dims.items():
         if d % GEMM_ALIGN:
-            return layout, f"{label} {d} not a multiple of {GEMM_ALIGN}"
-    return layout, None
+            return f"{label} {d} not a multiple of {GEMM_ALIGN}"
+    return None
 
 
 def host_activation(h: torch.Tensor, activation: str) -> torch.Tensor:
@@ -170,7 +175,20 @@ def copied_bias(linear: nn.Linear) -> torch.Tensor:
     return linear.bias.detach().clone()
 
 
-class QuantizedFeedForward(nn.Module):
+class QuantizedModule(nn.Module):
+    """A form's replacement module: holds only buffers of its own, in one input/output dtype."""
+
+    dtype: torch.dtype
+
+    def resident_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def check_input(self, x: torch.Tensor) -> None:
+        if x.dtype != self.dtype:
+            raise ValueError(f"input dtype {x.dtype} differs from this module's {self.dtype}; no implicit cast")
+
+
+class QuantizedFeedForward(QuantizedModule):
     """FP8 rowwise W8A8 FeedForward: holds only its own quantized weights, scales and biases."""
 
     def __init__(self, activation: str, dtype: torch.dtype, w1: torch.Tensor, s1: torch.Tensor, b1: torch.Tensor,
@@ -185,9 +203,6 @@ class QuantizedFeedForward(nn.Module):
                         ("b2", b2)):
             self.register_buffer(name, t)
 
-    def resident_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers())
-
     def extra_repr(self) -> str:
         n1, k1 = self.w1_fp8.shape
         n2, k2 = self.w2_fp8.shape
@@ -196,8 +211,7 @@ class QuantizedFeedForward(nn.Module):
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         del args, kwargs  # the host ignores them too (a deprecated `scale`)
         x = hidden_states
-        if x.dtype != self.dtype:
-            raise ValueError(f"input dtype {x.dtype} differs from this module's {self.dtype}; no implicit cast")
+        self.check_input(x)
         h = fp8_linear(x, self.w1_fp8, self.w1_scale, self.b1, self.dtype)
         fused = FUSED_ACTIVATIONS.get(self.activation) if self.fuse_activation else None
         if fused is None:
@@ -205,7 +219,7 @@ class QuantizedFeedForward(nn.Module):
         return fp8_linear(h, self.w2_fp8, self.w2_scale, self.b2, self.dtype, activation=fused)
 
 
-class QuantizedLinear(nn.Module):
+class QuantizedLinear(QuantizedModule):
     """FP8 rowwise W8A8 `nn.Linear` (a whitelisted attention projection): its own e4m3 weight, scale, bias."""
 
     def __init__(self, dtype: torch.dtype, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor) -> None:
@@ -214,28 +228,15 @@ class QuantizedLinear(nn.Module):
         for name, t in (("w_fp8", w), ("w_scale", scale), ("bias", bias)):
             self.register_buffer(name, t)
 
-    def resident_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers())
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != self.dtype:
-            raise ValueError(f"input dtype {x.dtype} differs from this module's {self.dtype}; no implicit cast")
+        self.check_input(x)
         return fp8_linear(x, self.w_fp8, self.w_scale, self.bias, self.dtype)
 
 
 def linear_rule(module: nn.Linear, x: torch.Tensor) -> str | None:
-    """Narrowing rules for a projection site: inference, matching width and dtype, GEMM alignment."""
-    if torch.is_grad_enabled() and x.requires_grad:
-        return "input requires grad (inference-only form)"
-    if x.shape[-1] != module.in_features:
-        return f"input last dim {x.shape[-1]} != in_features {module.in_features}"
-    if x.dtype != module.weight.dtype:
-        return (f"input dtype {str(x.dtype).removeprefix('torch.')} != the host's weight dtype "
-                f"{str(module.weight.dtype).removeprefix('torch.')}")
-    for label, d in (("in_features", module.in_features), ("out_features", module.out_features)):
-        if d % GEMM_ALIGN:
-            return f"{label} {d} not a multiple of {GEMM_ALIGN}"
-    return None
+    """Narrowing rules for a projection site."""
+    dims = {"in_features": module.in_features, "out_features": module.out_features}
+    return input_rule(x, module.in_features, module.weight.dtype, dims)
 
 
 class Fp8RowwiseFfn(FfnForm):

@@ -12,13 +12,13 @@ from torch import nn
 
 from ..kernels.nvfp4 import NvFp4Tensor, nvfp4_linear, quantize_nvfp4
 from .ffn_base import FfnForm
-from .fp8_rowwise import ACTIVATIONS, adopt_layout, copied_bias, ffn_rule, host_activation
+from .fp8_rowwise import ACTIVATIONS, QuantizedModule, adopt_layout, copied_bias, ffn_rule, host_activation
 
 NATIVE_CAPABILITY = (10, 0)
 _PARTS = ("codes", "block_scale", "global_scale")
 
 
-class NvFp4FeedForward(nn.Module):
+class NvFp4FeedForward(QuantizedModule):
     """NVFP4 W4A4 FeedForward (exact emulation): holds only its own codes, scales and biases."""
 
     def __init__(self, activation: str, dtype: torch.dtype, w1: NvFp4Tensor, b1: torch.Tensor, w2: NvFp4Tensor,
@@ -40,9 +40,6 @@ class NvFp4FeedForward(nn.Module):
         """The NvFp4Tensor view of this module's buffers (follows `.to(device)`)."""
         return NvFp4Tensor(*(getattr(self, f"{prefix}_{p}") for p in _PARTS), shape=self._shapes[prefix])
 
-    def resident_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers())
-
     def extra_repr(self) -> str:
         (n1, k1), (n2, k2) = self._shapes["w1"], self._shapes["w2"]
         return f"{k1} -> {n1} ({self.activation}) -> {k2} -> {n2}, nvfp4 w4a4 (emulated), {str(self.dtype)[6:]} out"
@@ -50,8 +47,7 @@ class NvFp4FeedForward(nn.Module):
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         del args, kwargs  # the host ignores them too (a deprecated `scale`)
         x = hidden_states
-        if x.dtype != self.dtype:
-            raise ValueError(f"input dtype {x.dtype} differs from this module's {self.dtype}; no implicit cast")
+        self.check_input(x)
         h = nvfp4_linear(x, self.weight("w1"), self.b1, self.dtype, emulate=True)
         h = host_activation(h, self.activation)
         return nvfp4_linear(h, self.weight("w2"), self.b2, self.dtype, emulate=True)
