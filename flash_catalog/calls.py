@@ -28,9 +28,9 @@ class ShapeKey(NamedTuple):
     enable_gqa: bool
 
     def describe(self) -> str:
-        text = f"q={_dims(self.q)} k={_dims(self.k)} {self.dtype}"
+        text = f"q={dims(self.q)} k={dims(self.k)} {self.dtype}"
         if self.mask_kind != "none":
-            text += f" mask={self.mask_kind}{_dims(self.mask_shape or ())}"
+            text += f" mask={self.mask_kind}{dims(self.mask_shape or ())}"
         if self.is_causal:
             text += " causal"
         return text
@@ -39,8 +39,14 @@ class ShapeKey(NamedTuple):
 _UNSTRUCTURED = ("none", "all_pass", "arbitrary")
 
 
-def _dims(shape: tuple[int, ...]) -> str:
+def dims(shape: tuple[int, ...] | torch.Size) -> str:
+    """A shape as the receipts print it: (2,512,2,12)."""
     return "(" + ",".join(map(str, shape)) + ")"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16", the spelling specs use."""
+    return str(dtype).removeprefix("torch.")
 
 
 @dataclass
@@ -90,12 +96,12 @@ class AttentionCall:
             q=self.host_shape(self.query),
             k=self.host_shape(self.key),
             v=self.host_shape(self.value),
-            dtype=str(self.query.dtype).removeprefix("torch."),
+            dtype=dtype_name(self.query.dtype),
             device=str(self.query.device),
             mask_kind=self.mask.kind,
             mask_structure=self.mask if self.mask.kind not in _UNSTRUCTURED else None,
             mask_shape=tuple(m.shape) if m is not None else None,
-            mask_dtype=str(m.dtype).removeprefix("torch.") if m is not None else None,
+            mask_dtype=dtype_name(m.dtype) if m is not None else None,
             is_causal=self.is_causal,
             scale=self.scale,
             enable_gqa=self.enable_gqa,

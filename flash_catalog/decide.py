@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .adapters.router import CapturedCall
-from .calls import ShapeKey
+from .calls import ShapeKey, dims
 from .forms.base import AttentionForm, Runner
 from .gate import Accuracy, Timing, measure_accuracy, paired_speedup
 from .plan import ShapeRecord
@@ -88,7 +88,7 @@ def decide_shape(site: str, captured: CapturedCall, forms: list[AttentionForm], 
         record.reason = "no attention forms selected"
         return record, None
     host_out = captured.host()
-    shape_text = f"q=({','.join(map(str, key.q))})"
+    shape_text = f"q={dims(key.q)}"
     declined: _Candidate | None = None
     for tier in tiers(forms):
         passed: list[_Candidate] = []

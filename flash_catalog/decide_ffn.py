@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .adapters.ffn import FfnKey
+from .calls import dims, dtype_name
 from .decide import GateOptions
 from .forms.ffn_base import FfnForm
 from .gate import measure_accuracy, paired_speedup
@@ -31,7 +32,7 @@ class FfnDecision:
 
 def describe_input(x: torch.Tensor) -> str:
     rows = x.numel() // x.shape[-1] if x.dim() else 0
-    return f"x=({','.join(map(str, x.shape))}) {str(x.dtype).removeprefix('torch.')} rows={rows}"
+    return f"x={dims(x.shape)} {dtype_name(x.dtype)} rows={rows}"
 
 
 def decide_ffn_site(module: nn.Module, inputs: dict[FfnKey, torch.Tensor], counts: dict[FfnKey, int],
@@ -50,7 +51,7 @@ def decide_ffn_site(module: nn.Module, inputs: dict[FfnKey, torch.Tensor], count
         passed: set[FfnKey] = set()
         for key, x in inputs.items():
             record = records[key]
-            shape = f"x=({','.join(map(str, x.shape))})"
+            shape = f"x={dims(x.shape)}"
             verdict = qualify_tensor(form.spec, x, form.rule(module, x))
             if not verdict.qualified:
                 record.trail.append(verdict.reason)

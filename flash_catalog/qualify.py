@@ -10,7 +10,7 @@ import torch
 from packaging.requirements import Requirement
 from packaging.version import InvalidVersion, Version
 
-from .calls import AttentionCall
+from .calls import AttentionCall, dims, dtype_name
 from .specs import Envelope, Spec
 
 
@@ -27,7 +27,7 @@ def qualify(spec: Spec, call: AttentionCall, extra_rule: str | None = None) -> V
     if rule is None:
         return Verdict(spec.name, True)
     q = call.host_shape(call.query)
-    return Verdict(spec.name, False, f"{spec.name}: {rule} at q=({','.join(map(str, q))})")
+    return Verdict(spec.name, False, f"{spec.name}: {rule} at q={dims(q)}")
 
 
 def qualify_tensor(spec: Spec, x: torch.Tensor, extra_rule: str | None = None) -> Verdict:
@@ -35,7 +35,7 @@ def qualify_tensor(spec: Spec, x: torch.Tensor, extra_rule: str | None = None) -
     rule = tensor_rule(spec.envelope, x) or extra_rule
     if rule is None:
         return Verdict(spec.name, True)
-    return Verdict(spec.name, False, f"{spec.name}: {rule} at x=({','.join(map(str, x.shape))})")
+    return Verdict(spec.name, False, f"{spec.name}: {rule} at x={dims(x.shape)}")
 
 
 def tensor_rule(env: Envelope, x: torch.Tensor) -> str | None:
@@ -50,7 +50,7 @@ def tensor_rule(env: Envelope, x: torch.Tensor) -> str | None:
         cap = torch.cuda.get_device_capability(device)
         if cap < env.min_capability:
             return f"compute capability {cap[0]}.{cap[1]} < {env.min_capability[0]}.{env.min_capability[1]}"
-    dtype = str(x.dtype).removeprefix("torch.")
+    dtype = dtype_name(x.dtype)
     if dtype not in env.dtypes:
         return f"dtype {dtype} not in [{', '.join(env.dtypes)}]"
     return None

@@ -18,11 +18,13 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils.hooks import RemovableHandle
 
+from ..calls import dtype_name
+
 FfnKey = tuple[tuple[int, ...], str, str]  # input shape, dtype, device
 
 
 def ffn_key(x: torch.Tensor) -> FfnKey:
-    return tuple(x.shape), str(x.dtype).removeprefix("torch."), str(x.device)
+    return tuple(x.shape), dtype_name(x.dtype), str(x.device)
 
 
 def find_ffn_sites(model: nn.Module) -> dict[str, nn.Module]:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..calls import dtype_name
 from ..kernels.fp8_rowwise import fp8_linear, quantize_weight_fp8
 from .ffn_base import FfnForm
 
@@ -137,8 +138,7 @@ def input_rule(x: torch.Tensor, width: int, dtype: torch.dtype, dims: dict[str, 
     if x.shape[-1] != width:
         return f"input last dim {x.shape[-1]} != in_features {width}"
     if x.dtype != dtype:
-        return (f"input dtype {str(x.dtype).removeprefix('torch.')} != the host's weight dtype "
-                f"{str(dtype).removeprefix('torch.')}")
+        return f"input dtype {dtype_name(x.dtype)} != the host's weight dtype {dtype_name(dtype)}"
     for label, d in dims.items():
         if d % GEMM_ALIGN:
             return f"{label} {d} not a multiple of {GEMM_ALIGN}"
