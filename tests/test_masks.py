@@ -56,7 +56,8 @@ def materialize(info: MaskInfo, b: int, sq: int, skv: int) -> torch.Tensor:
     if info.kind == KEY_PADDING:
         return torch.tensor(info.key_valid)[:, None, :].expand(b, sq, skv)
     if info.kind == CAUSAL:
-        return (j <= i).expand(b, sq, skv)
+        causal = (j <= i).expand(b, sq, skv)
+        return causal if info.key_valid is None else causal & torch.tensor(info.key_valid)[:, None, :]
     if info.kind == SLIDING_WINDOW:
         left, right = info.window
         return ((j >= i - left) & (j <= i + right)).expand(b, sq, skv)

@@ -112,7 +112,8 @@ def main() -> int:
           f"{'ffn form MiB':>13} {'alloc delta GiB':>16} bound/declined/refused/host")
     for r in rows:
         m, c = r["memory"], r["counts"]
-        print(f"{r['selection']:18} {r['host_ms']:9.2f} {r['attached_ms']:9.2f} {r['ratio']:6.3f} {r['cos_vs_host']:9.6f} "
+        print(f"{r['selection']:18} {r['host_ms']:9.2f} {r['attached_ms']:9.2f} {r['ratio']:6.3f} "
+              f"{r['cos_vs_host']:9.6f} "
               f"{m['host_bytes'] / 2**20:13.1f} {m['form_bytes'] / 2**20:13.1f} "
               f"{r['allocated_delta_bytes'] / 2**30:16.3f} {c['bound']}/{c['declined']}/{c['refused']}/{c['host']}")
     Path(args.json).write_text(json.dumps({"environment": env, "S": s, "rows": rows}, indent=2))

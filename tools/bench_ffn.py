@@ -3,7 +3,8 @@
 A diffusers `FeedForward(4096, inner_dim=16384, activation_fn="gelu-approximate")` in bf16 with random weights at
 M in {256, 4096, 24576} rows (input (1, M, 4096)). For each M: the host module and the built FP8 module (activation
 quantisation included; also its unfused variant, GELU-tanh in torch then quantisation), medians from
-`triton.testing.do_bench(..., return_mode="median")` (and, for GPU time alone, `do_bench_cudagraph`), the speedup, cosine and max relative error
+`triton.testing.do_bench(..., return_mode="median")` (and, for GPU time alone, `do_bench_cudagraph`),
+the speedup, cosine and max relative error
 (max|y - ref| / max|ref|) of both against an fp32 run of the host math; each GEMM alone, FP8 `_scaled_mm` vs bf16
 cuBLAS (`F.linear`, both with bias); and the time share of the row-quantisation kernels in the FP8 module.
 
@@ -125,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
             del x, ref, y_host, y_fp8, y_unf, h, xq, xs, hq, hs
             torch.cuda.empty_cache()
 
-    print(f"{'M':>6} | {'host ms':>8} {'fp8 ms':>8} {'speedup':>7} {'unfused':>7} {'graphed':>7} | {'cos/fp32 host':>13} "
+    print(f"{'M':>6} | {'host ms':>8} {'fp8 ms':>8} {'speedup':>7} {'unfused':>7} {'graphed':>7} | "
+          f"{'cos/fp32 host':>13} "
           f"{'fp8':>8} {'rel host':>8} {'fp8':>7} | {'G1 bf16':>7} {'G1 fp8':>7} {'G2 bf16':>7} {'G2 fp8':>7} "
           f"{'TF/s fp8':>8} | {'qx ms':>6} {'qh ms':>6} {'share':>6}")
     for r in rows:

@@ -117,7 +117,7 @@ def bench(fn):
 
 
 def figures(name, c):
-    q, k = c["q"], c["k"]
+    q = c["q"]
     b, h, s, d = q.shape
     scores = b * h * sum(n * n for n in c["sizes"])
     if c["rule"] == "causal":

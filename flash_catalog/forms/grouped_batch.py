@@ -1,7 +1,8 @@
 """`grouped_batch`: a block-diagonal mask of equal-size groups served as dense SDPA over groups-as-batch.
 
-Q, K and V are gathered so each group becomes one batch entry ((B, H, G*g, D) -> (B*G, H, g, D)); the
-in-group rule becomes is_causal or a small (g, g) mask; the output is scattered back.
+Each group becomes one head ((B, H, G*g, D) -> (B, H*G, g, D), a free view of contiguous BHSD tensors) or one
+batch entry ((B*G, H, g, D), a view of BSHD storage); the in-group rule becomes is_causal or a small (g, g)
+mask.
 """
 
 from __future__ import annotations
@@ -31,17 +32,41 @@ def _local_mask(call: AttentionCall, g: int) -> torch.Tensor | None:
     return allowed.reshape(-1, 1, g, g)
 
 
-def _run(g: int, causal: bool, local: torch.Tensor | None, call: AttentionCall) -> torch.Tensor:
-    b, h, s, d = call.query.shape
+def _fold(t: torch.Tensor, n: int, g: int, into_heads: bool) -> torch.Tensor:
+    """(B, H, n*g, D) -> (B, H*n, g, D) or (B*n, H, g, D), as a view whenever the strides allow one."""
+    x = t.unflatten(2, (n, g))  # (B, H, n, g, D): always a view
+    if into_heads:
+        return x.flatten(1, 2)  # a view when H and n are evenly strided (contiguous BHSD)
+    x = x.transpose(1, 2)  # (B, n, H, g, D)
+    return x.flatten(0, 1)  # a view when B and n are evenly strided (BSHD storage, as diffusers passes)
+
+
+def _heads_fold_is_view(t: torch.Tensor) -> bool:
+    return t.shape[1] == 1 or t.stride(1) == t.shape[2] * t.stride(2)
+
+
+def _local_for_heads(local: torch.Tensor | None, h: int, n: int, g: int) -> torch.Tensor | None:
+    """A per-group (B*n, 1, g, g) mask laid out for groups folded into heads: (B, H*n, g, g)."""
+    if local is None or local.shape[0] == 1:
+        return local
+    return local.view(-1, 1, n, g, g).expand(-1, h, n, g, g).reshape(-1, h * n, g, g)
+
+
+def _run(g: int, causal: bool, local: torch.Tensor | None, local_heads: torch.Tensor | None,
+         call: AttentionCall) -> torch.Tensor:
+    """Groups become heads when Q, K and V allow it without a copy (and no GQA), else batch entries."""
+    q, k, v = call.query, call.key, call.value
+    b, h, s, d = q.shape
     n = s // g
-
-    def fold(t: torch.Tensor) -> torch.Tensor:
-        return t.unflatten(2, (n, g)).transpose(1, 2).reshape(b * n, t.shape[1], g, t.shape[-1])
-
+    into_heads = not call.enable_gqa and all(map(_heads_fold_is_view, (q, k, v)))
+    mask = local_heads if into_heads else local
     out = F.scaled_dot_product_attention(
-        fold(call.query), fold(call.key), fold(call.value), attn_mask=local, is_causal=causal,
-        scale=call.scale, enable_gqa=call.enable_gqa)
-    return out.view(b, n, h, g, out.shape[-1]).transpose(1, 2).reshape(b, h, s, out.shape[-1])
+        _fold(q, n, g, into_heads), _fold(k, n, g, into_heads), _fold(v, n, g, into_heads), attn_mask=mask,
+        is_causal=causal, scale=call.scale, enable_gqa=call.enable_gqa)
+    dv = out.shape[-1]
+    if into_heads:
+        return out.view(b, h, s, dv)
+    return out.view(b, n, h, g, dv).transpose(1, 2).reshape(b, h, s, dv)
 
 
 class GroupedBatch(AttentionForm):
@@ -70,4 +95,5 @@ class GroupedBatch(AttentionForm):
                 local = local.repeat(call.query.shape[0], 1, 1, 1)  # flags shared by all batch rows
         detail = f"{call.query.shape[2] // g} groups of {g} as batch" + (f", in-group {rule}" if rule != RULE_NONE
                                                                         else "")
-        return Runner(functools.partial(_run, g, rule == RULE_CAUSAL, local), detail)
+        local_heads = _local_for_heads(local, call.query.shape[1], call.query.shape[2] // g, g)
+        return Runner(functools.partial(_run, g, rule == RULE_CAUSAL, local, local_heads), detail)
