@@ -123,7 +123,8 @@ def _run_check(args: argparse.Namespace) -> int:
     for path in files:
         try:
             spec = load_spec(path)
-            print(f"ok    {path}: {spec.name} ({spec.family}, {spec.precision})")
+            source = f", hub {spec.hub.describe()}:{spec.hub.function}" if spec.hub is not None else ""
+            print(f"ok    {path}: {spec.name} ({spec.family}, {spec.precision}{source})")
         except SpecError as exc:
             bad += 1
             print(f"error {exc}")
@@ -148,6 +149,12 @@ def _describe(spec: Spec) -> str:
         f"    accuracy: cos>={spec.accuracy.min_cosine} err<={spec.accuracy.max_rel_err}; "
         f"speed: >={spec.latency.min_speedup}x {'per shape' if spec.latency.per_shape else 'per site'}",
     ]
+    if spec.hub is not None:
+        h = spec.hub
+        lines.append(f"    hub: {h.describe()}, function {h.function}"
+                     + (f", kwargs {dict(h.kwargs)}" if h.kwargs else "")
+                     + (f", local build {h.local}" if h.local is not None else "")
+                     + " (code from the hub runs only with attach(..., trust_remote_code=...))")
     return "\n".join(lines)
 
 

@@ -24,6 +24,11 @@ MASK_KINDS = (
     "arbitrary",
 )
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_HUB_REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_HUB_FUNCTION = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+_HUB_REVISION = re.compile(r"^[^\s]+$")
+HUB_IMPLEMENTATION = "flash_catalog.forms.hub:HubAttention"  # the generic form that serves every [hub] spec
+HUB_MASKS = ("none", "all_pass")  # a hub function takes no mask; an all-pass mask is dropped
 
 
 class SpecError(ValueError):
@@ -64,6 +69,27 @@ class LatencyPolicy:
 
 
 @dataclass(frozen=True)
+class HubSource:
+    """A kernel-hub package whose `function` is the form's attention, resolved through the `kernels` package.
+
+    Exactly one of `version` (an integer major version: the hub branch `v<version>`) and `revision` (a
+    branch, tag or commit) pins it. `local` is a local build folder (absolute; a relative path in the TOML
+    is resolved against the spec file) loaded with `kernels.get_local_kernel` instead of the hub. `kwargs`
+    are extra keyword arguments passed on every call (say `pv = "fp16"`)."""
+
+    repo: str
+    function: str
+    version: int | None = None
+    revision: str | None = None
+    local: Path | None = None
+    kwargs: tuple[tuple[str, Any], ...] = ()
+
+    def describe(self) -> str:
+        """`owner/name v1` (the hub's branch for a major version) or `owner/name@revision`."""
+        return f"{self.repo} v{self.version}" if self.version is not None else f"{self.repo}@{self.revision}"
+
+
+@dataclass(frozen=True)
 class Spec:
     name: str
     family: str
@@ -74,6 +100,7 @@ class Spec:
     latency: LatencyPolicy
     description: str = ""
     path: Path | None = field(default=None, compare=False)
+    hub: HubSource | None = None  # set: the implementation is a kernel-hub function served by HubAttention
 
     @property
     def precision_rank(self) -> int:
@@ -95,11 +122,22 @@ def load_spec(path: str | Path) -> Spec:
 
 def parse_spec(data: dict[str, Any], path: Path) -> Spec:
     r = _Reader(data, path)
-    r.only_keys("", data, {"name", "family", "implementation", "precision", "description",
+    r.only_keys("", data, {"name", "family", "implementation", "hub", "precision", "description",
                            "envelope", "accuracy", "latency"})
     name = r.text("name", pattern=re.compile(r"^[a-z][a-z0-9_]*$"), hint="lower_snake_case")
     family = r.choice("family", FAMILIES)
-    implementation = r.text("implementation", pattern=_IMPORT_PATH, hint="'package.module:ClassName'")
+    hub: HubSource | None = None
+    if "hub" in data:
+        if "implementation" in data:
+            raise SpecError(f"{path}: fields 'implementation' and 'hub' are both set; allowed: exactly one of "
+                            f"them (a [hub] spec is served by {HUB_IMPLEMENTATION})")
+        if family != "attention_core":
+            raise r.fail("family", family, "attention_core (a [hub] function serves attention only)")
+        hub = r.hub_source("hub")
+        implementation = HUB_IMPLEMENTATION
+    else:
+        implementation = r.text("implementation", pattern=_IMPORT_PATH,
+                                hint="'package.module:ClassName' (or a [hub] table instead)")
     precision = r.choice("precision", PRECISIONS)
     description = r.text("description", default="")
 
@@ -119,6 +157,10 @@ def parse_spec(data: dict[str, Any], path: Path) -> Spec:
         gqa=r.boolean("envelope.gqa", default=False),
         requires=r.requirements("envelope.requires"),
     )
+    if hub is not None:
+        for mask in envelope.masks:
+            if mask not in HUB_MASKS:
+                raise r.fail("envelope.masks", mask, f"{', '.join(HUB_MASKS)} (a [hub] function takes no mask)")
 
     acc = r.table("accuracy")
     r.only_keys("accuracy", acc, {"min_cosine", "max_rel_err"})
@@ -132,7 +174,7 @@ def parse_spec(data: dict[str, Any], path: Path) -> Spec:
         per_shape=r.boolean("latency.per_shape", default=True),
         min_speedup=r.number("latency.min_speedup", lo=0.0, hi=None, default=1.02),
     )
-    return Spec(name, family, implementation, precision, envelope, accuracy, latency, description, path)
+    return Spec(name, family, implementation, precision, envelope, accuracy, latency, description, path, hub)
 
 
 _MISSING = object()
@@ -234,6 +276,48 @@ class _Reader:
             raise self.fail(dotted, value, hint)
         major, minor = value.split(".")
         return int(major), int(minor)
+
+    def hub_source(self, dotted: str) -> HubSource:
+        table = self.table(dotted)
+        if "trust_remote_code" in table:
+            raise self.fail(f"{dotted}.trust_remote_code", table["trust_remote_code"],
+                            "no such field: trusting hub code is the caller's decision, "
+                            "attach(..., trust_remote_code=True), never a spec's")
+        self.only_keys(dotted, table, {"repo", "version", "revision", "function", "local", "kwargs"})
+        repo = self.text(f"{dotted}.repo", pattern=_HUB_REPO, hint="a hub repository id such as 'owner/name'")
+        function = self.text(f"{dotted}.function", pattern=_HUB_FUNCTION,
+                             hint="the name of the attention function in the package, such as 'attention'")
+        pins = [key for key in ("version", "revision") if key in table]
+        if len(pins) != 1:
+            shown = _MISSING if not pins else {k: table[k] for k in pins}
+            raise self.fail(f"{dotted}.version", shown,
+                            f"exactly one of '{dotted}.version' (an integer major version such as 1) and "
+                            f"'{dotted}.revision' (a branch, tag or commit)")
+        version = revision = None
+        if pins == ["version"]:
+            version = table["version"]
+            if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+                raise self.fail(f"{dotted}.version", version, "a non-negative integer major version such as 1")
+        else:
+            revision = self.text(f"{dotted}.revision", pattern=_HUB_REVISION,
+                                 hint="a branch, tag or commit (a string without spaces)")
+        local = None
+        if "local" in table:
+            text = self.text(f"{dotted}.local", pattern=re.compile(r"^\S"), hint="a path to a local build folder")
+            local = Path(text).expanduser()
+            if not local.is_absolute():
+                local = self.path.parent / local
+        kwargs = self.get(f"{dotted}.kwargs", {})
+        hint = "a table of keyword arguments with string, integer, float or boolean values"
+        if not isinstance(kwargs, dict):
+            raise self.fail(f"{dotted}.kwargs", kwargs, hint)
+        for key, value in kwargs.items():
+            if key in ("scale", "is_causal") or not key.isidentifier():
+                raise self.fail(f"{dotted}.kwargs", key, "identifiers other than scale and is_causal "
+                                                           "(those are passed from each call)")
+            if not isinstance(value, (str, int, float, bool)):
+                raise self.fail(f"{dotted}.kwargs.{key}", value, hint)
+        return HubSource(repo, function, version, revision, local, tuple(sorted(kwargs.items())))
 
     def requirements(self, dotted: str) -> tuple[str, ...]:
         value = self.get(dotted, [])

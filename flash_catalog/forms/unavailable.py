@@ -1,10 +1,18 @@
-"""A form whose implementation cannot be imported here (a missing optional dependency): refused everywhere."""
+"""A form whose implementation cannot be obtained here (a missing optional dependency, a hub kernel that cannot
+be resolved): refused everywhere, with the reason, so the next form is tried."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from ..specs import Spec
+
+
+class KernelUnavailable(RuntimeError):
+    """A form's implementation cannot be obtained here; the message says which and why.
+
+    A form class raises it from its constructor (the hub form does for every way of not getting its kernel);
+    `build_form` turns it into an `Unavailable` form, so attach records the refusal and never raises it."""
 
 
 class Unavailable:
