@@ -48,7 +48,8 @@ def attach(model: nn.Module, example: Example, *, attention_forms: Sequence[str]
            min_speedup: float | None = None, min_cosine: float | None = None,
            max_rel_err: float | None = None, sites: Sequence[str] | None = None,
            timing_rounds: int | None = None, allow_emulation: bool = False,
-           keep_host_on_device: bool = False, catalog: Catalog | None = None) -> Plan:
+           keep_host_on_device: bool = False, catalog: Catalog | None = None,
+           trust_remote_code: bool | Sequence[str] = False) -> Plan:
     """Bind the best qualifying form to every attention (and, when asked, feed-forward) site of `model`,
     where it measures faster and accurate enough.
 
@@ -57,6 +58,8 @@ def attach(model: nn.Module, example: Example, *, attention_forms: Sequence[str]
     Feed-forward forms quantize weights, so they run only when named (`ffn_forms=`) or by a `profile`;
     explicit form lists outrank the profile. `projections` (globs) adds matching `nn.Linear` modules, such as
     attention projections, as sites for the feed-forward forms. `sites` keeps only sites matching a glob.
+    `trust_remote_code` opts in to running code from the Hugging Face Hub for `[hub]` specs: True (any repo)
+    or a list of repo ids; without it a hub spec is refused (local builds need no opt-in).
     """
     catalog = catalog or default_catalog()
     attention_names, ffn_names, projections = _resolve_profile(profile, attention_forms, ffn_forms, projections)
@@ -64,8 +67,9 @@ def attach(model: nn.Module, example: Example, *, attention_forms: Sequence[str]
     ffn_specs = catalog.select("vision_ffn", ffn_names)
     options = GateOptions(min_speedup, min_cosine, max_rel_err, timing_rounds)
     _check_options(options)
+    trust_remote_code = _check_trust(trust_remote_code)
     run_example = _example_runner(model, example)
-    forms: list[AttentionForm] = [build_form(s) for s in specs]
+    forms: list[AttentionForm] = [build_form(s, trust_remote_code=trust_remote_code) for s in specs]
     ffn_forms_built = [_ffn_form(s, allow_emulation) for s in ffn_specs]
     adapter = pick_adapter(model)
     modules = _filter_sites(adapter.find_sites(model), sites)
@@ -127,7 +131,9 @@ def attach(model: nn.Module, example: Example, *, attention_forms: Sequence[str]
                  "min_speedup": min_speedup,
                  "min_cosine": min_cosine, "max_rel_err": max_rel_err,
                  "sites": list(sites) if sites is not None else None,
-                 "keep_host_on_device": keep_host_on_device, "allow_emulation": allow_emulation},
+                 "keep_host_on_device": keep_host_on_device, "allow_emulation": allow_emulation,
+                 "trust_remote_code": (trust_remote_code if isinstance(trust_remote_code, bool)
+                                       else list(trust_remote_code))},
         _fallbacks=lambda: _counts(router.fallbacks, ffn_routes, "fallbacks"),
         _routed=lambda: _counts(router.routed, ffn_routes, "routed"),
         _revert=_reverter(installation, forms, ffn_routes),
@@ -262,6 +268,17 @@ def _check_options(options: GateOptions) -> None:
             raise ValueError(f"{name}={value!r} is out of range; expected a number {span}")
     if options.rounds is not None and (not isinstance(options.rounds, int) or options.rounds < 1):
         raise ValueError(f"timing_rounds={options.rounds!r}; expected a positive integer")
+
+
+def _check_trust(value: Any) -> bool | tuple[str, ...]:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        raise TypeError(f"trust_remote_code must be True, False or a list of hub repository ids, not the string "
+                        f"{value!r}; write [{value!r}]")
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise TypeError(f"trust_remote_code={value!r}; expected True, False or a list of hub repository ids")
 
 
 def _current(namespace: Any, name: str) -> Any:

@@ -66,13 +66,16 @@ class Catalog:
         return [known[n] for n in dict.fromkeys(names)]
 
 
-def build_form(spec: Spec) -> Any:
+def build_form(spec: Spec, *, trust_remote_code: bool | Sequence[str] = False) -> Any:
     """Import the spec's implementation and construct the form object for it.
 
-    A missing optional dependency of the implementation (triton on a CPU-only machine, say) gives an
+    A missing optional dependency of the implementation (triton on a CPU-only machine, say), or a form whose
+    constructor raises `KernelUnavailable` (a `[hub]` kernel that cannot be resolved here), gives an
     `Unavailable` form that every site refuses with the reason; a wrong implementation path is a SpecError.
+    `trust_remote_code` (the caller's opt-in to code from the Hugging Face Hub: True, or a list of repo ids)
+    is passed to the form of a `[hub]` spec only.
     """
-    from .forms.unavailable import Unavailable
+    from .forms.unavailable import KernelUnavailable, Unavailable
 
     module_name, _, attr = spec.implementation.partition(":")
     try:
@@ -89,4 +92,7 @@ def build_form(spec: Spec) -> Any:
     if cls is None:
         raise SpecError(f"{spec.path}: field 'implementation' is {spec.implementation!r}; "
                         f"allowed: an importable 'module:Class' ({module_name} has no {attr!r})")
-    return cls(spec)
+    try:
+        return cls(spec, trust_remote_code=trust_remote_code) if spec.hub is not None else cls(spec)
+    except KernelUnavailable as exc:
+        return Unavailable(spec, str(exc))
