@@ -9,9 +9,11 @@ import triton
 import triton.language as tl
 
 from .sage2_quant import (Sage2Staged, interpreter_active, quantize_qkv, round_to_bf16, round_to_e4m3,
-                          validate_inputs)
+                          staging_layout, validate_inputs)
+from .staging import StagingKey, StagingPool
 
-__all__ = ["sage2_attention", "sage2_attention_staged", "default_config", "quantize_qkv", "Sage2Staged"]
+__all__ = ["sage2_attention", "sage2_attention_staged", "default_config", "quantize_qkv", "Sage2Staged",
+           "staging_keys"]
 
 
 def default_config(head_dim: int, pv: str = "fp8") -> dict[str, int]:
@@ -20,6 +22,13 @@ def default_config(head_dim: int, pv: str = "fp8") -> dict[str, int]:
     if head_dim == 128:
         return {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3}
     return {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3}
+
+
+def staging_keys(q: torch.Tensor, k: torch.Tensor, pv: str = "fp8") -> tuple[StagingKey, ...]:
+    """The pool keys a `sage2_attention(q, k, v, pv=pv, staging=pool)` call draws, at the default tiles."""
+    cfg = default_config(q.shape[-1], pv)
+    layout = staging_layout(q.shape, k.shape, pv=pv, block_m=cfg["block_m"], block_n=cfg["block_n"])
+    return tuple(StagingKey(name, shape, dtype, q.device, pv) for name, (shape, dtype) in layout.items())
 
 
 @triton.jit
@@ -180,12 +189,14 @@ def sage2_attention_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, is_ca
 def sage2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
                     pv: str = "fp8", is_causal: bool = False, block_m: int | None = None,
                     block_n: int | None = None, num_warps: int | None = None,
-                    num_stages: int | None = None) -> torch.Tensor:
+                    num_stages: int | None = None, staging: StagingPool | None = None) -> torch.Tensor:
     """SageAttention2 forward: softmax(q k^T * scale) v for (B, H, S, D) fp16/bf16 inputs, GQA allowed.
 
     pv="fp8": P and V in FP8 e4m3 (V per-channel scaled); pv="fp16": P and V in fp16. Q/K are INT8 per tile
     after K smoothing either way. is_causal is top-left aligned, like torch SDPA. Forward only (no autograd).
-    The caller's tensors are never modified; the output is a new contiguous tensor in q's dtype."""
+    The caller's tensors are never modified; the output is a new contiguous tensor in q's dtype. With `staging`,
+    the quantised operands live in the pool's buffers (see `staging_keys`) instead of fresh memory; the output
+    never does, and nothing of the pool is returned or kept."""
     validate_inputs(q, k, v, pv=pv, scale=scale)
     if not isinstance(is_causal, bool):
         raise ValueError(f"is_causal is {is_causal!r}; allowed: True, False")
@@ -199,6 +210,7 @@ def sage2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
     if q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0:
         return torch.empty((q.shape[0], q.shape[1], q.shape[2], d), dtype=q.dtype, device=q.device)
-    staged = quantize_qkv(q, k, v, sm_scale=sm_scale, pv=pv, block_m=bm, block_n=bn, validate=False)
+    staged = quantize_qkv(q, k, v, sm_scale=sm_scale, pv=pv, block_m=bm, block_n=bn, validate=False,
+                          staging=staging)
     return sage2_attention_staged(staged, out_dtype=q.dtype, is_causal=is_causal, num_warps=num_warps,
                                   num_stages=num_stages)

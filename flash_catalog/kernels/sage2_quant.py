@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import triton
 import triton.language as tl
+
+from .staging import StagingPool
 
 LOG2E = 1.0 / math.log(2.0)
 # In the kernels: INT8 range 127, FP8 e4m3 range 448, and 1e-30 as the floor of a block's or channel's max|x|
@@ -30,10 +33,39 @@ def interpreter_active() -> bool:
     return isinstance(_quant_int8_kernel, InterpretedFunction)
 
 
-def _staging(key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Every staging buffer comes from here; a per-shape pool can replace this body without touching callers."""
-    del key  # the name the buffer would be pooled under: "q8", "q_scale", "k8", ...
-    return torch.empty(shape, dtype=dtype, device=device)
+def _staging(key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+             pool: StagingPool | None = None, variant: str = "") -> torch.Tensor:
+    """Every staging buffer comes from here: the pool's buffer for (key, shape, dtype, device, variant), or fresh."""
+    if pool is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return pool.get(key, shape, dtype, device, variant)
+
+
+def staging_layout(q_shape: Sequence[int], k_shape: Sequence[int], *, pv: str, block_m: int,
+                   block_n: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The staging buffers `quantize_qkv` uses for these shapes: name -> (shape, dtype), in allocation order.
+
+    Padded to whole tiles of block_m query rows and block_n keys; pv="fp16" stages no V."""
+    bsz, hq, sq, d = (int(n) for n in q_shape)
+    hkv, skv = int(k_shape[1]), int(k_shape[2])
+    sq_pad = max(_cdiv(sq, block_m), 1) * block_m
+    skv_pad = _cdiv(skv, block_n) * block_n
+    n_chunks = _cdiv(skv, STATS_CHUNK)
+    f32 = torch.float32
+    layout = {"k_sum_partial": ((bsz * hkv, n_chunks, d), f32)}
+    if pv == "fp8":
+        layout["v_amax_partial"] = ((bsz * hkv, n_chunks, d), f32)
+    layout["k_mean"] = ((bsz, hkv, d), f32)
+    if pv == "fp8":
+        layout["v_scale"] = ((bsz, hkv, d), f32)
+        layout["v_inv"] = ((bsz, hkv, d), f32)
+    layout["q8"] = ((bsz, hq, sq_pad, d), torch.int8)
+    layout["q_scale"] = ((bsz, hq, sq_pad // block_m), f32)
+    layout["k8"] = ((bsz, hkv, skv_pad, d), torch.int8)
+    layout["k_scale"] = ((bsz, hkv, skv_pad // block_n), f32)
+    if pv == "fp8":
+        layout["vt8"] = ((bsz, hkv, d, skv_pad), torch.float8_e4m3fn)
+    return layout
 
 
 def _is_pow2(n: int) -> bool:
@@ -273,11 +305,12 @@ def _cdiv(a: int, b: int) -> int:
 
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
                  pv: str = "fp8", block_m: int = 128, block_n: int = 64, num_warps: int | None = None,
-                 validate: bool = True) -> Sage2Staged:
+                 validate: bool = True, staging: StagingPool | None = None) -> Sage2Staged:
     """Stage q, k, v for the SageAttention2 kernel: Q is read once, K and V twice (a stats pass, then quantise).
 
     The caller's tensors are only read. `block_m`/`block_n` must match the attention kernel's tiles: the
-    Q and K scales are per tile."""
+    Q and K scales are per tile. With `staging`, the buffers (see `staging_layout`) are the pool's, keyed by
+    variant `pv`: the result is valid only until the pool's next use, so consume it and drop it."""
     if validate:
         validate_inputs(q, k, v, pv=pv, scale=sm_scale)
     for name, blk in (("block_m", block_m), ("block_n", block_n)):
@@ -288,24 +321,24 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale:
     dev = q.device
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(d)
-    sq_pad = max(_cdiv(sq, block_m), 1) * block_m
-    skv_pad = _cdiv(skv, block_n) * block_n
+    layout = staging_layout(q.shape, k.shape, pv=pv, block_m=block_m, block_n=block_n)
+    buf = {name: _staging(name, shape, dtype, dev, staging, pv) for name, (shape, dtype) in layout.items()}
+    sq_pad, skv_pad = buf["q8"].shape[2], buf["k8"].shape[2]
     n_qb, n_kb = sq_pad // block_m, skv_pad // block_n
     warps = num_warps if num_warps is not None else (8 if d == 128 else 4)
     exact = interpreter_active()
     with_v = pv == "fp8"
 
     # 1) K mean and V per-channel amax: chunk partials, then a per-head reduction (deterministic, no atomics).
-    n_chunks = _cdiv(skv, STATS_CHUNK)
-    ksum = _staging("k_sum_partial", (bsz * hkv, n_chunks, d), torch.float32, dev)
-    vmax = _staging("v_amax_partial", (bsz * hkv, n_chunks, d), torch.float32, dev) if with_v else ksum
+    n_chunks = buf["k_sum_partial"].shape[1]
+    ksum = buf["k_sum_partial"]
+    vmax = buf["v_amax_partial"] if with_v else ksum
     _kv_stats_kernel[(n_chunks, bsz * hkv)](
         k, v, ksum, vmax, *k.stride(), *v.stride(), hkv, skv, n_chunks,
         CHUNK=STATS_CHUNK, SUB=STATS_SUB, HEAD_DIM=d, WITH_V=with_v, num_warps=8)
-    k_mean = _staging("k_mean", (bsz, hkv, d), torch.float32, dev)
+    k_mean = buf["k_mean"]
     if with_v:
-        v_scale = _staging("v_scale", (bsz, hkv, d), torch.float32, dev)
-        v_inv = _staging("v_inv", (bsz, hkv, d), torch.float32, dev)
+        v_scale, v_inv = buf["v_scale"], buf["v_inv"]
     else:
         v_scale = v_inv = k_mean
     _kv_stats_finalize_kernel[(bsz * hkv,)](
@@ -313,22 +346,20 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale:
         BLOCK_C=16, HEAD_DIM=d, WITH_V=with_v, INTERPRETED=exact, num_warps=4)
 
     # 2) Q: per-block INT8, softmax scale * log2(e) folded into the scale.
-    q8 = _staging("q8", (bsz, hq, sq_pad, d), torch.int8, dev)
-    q_scale = _staging("q_scale", (bsz, hq, n_qb), torch.float32, dev)
+    q8, q_scale = buf["q8"], buf["q_scale"]
     _quant_int8_kernel[(n_qb, bsz * hq)](
         q, q, q8, q_scale, *q.stride(), hq, sq, sq_pad, n_qb, float(sm_scale) * LOG2E,
         BLOCK=block_m, HEAD_DIM=d, SUB_MEAN=False, num_warps=warps)
 
     # 3) K: subtract the token mean (softmax is invariant to it), per-block INT8.
-    k8 = _staging("k8", (bsz, hkv, skv_pad, d), torch.int8, dev)
-    k_scale = _staging("k_scale", (bsz, hkv, n_kb), torch.float32, dev)
+    k8, k_scale = buf["k8"], buf["k_scale"]
     _quant_int8_kernel[(n_kb, bsz * hkv)](
         k, k_mean, k8, k_scale, *k.stride(), hkv, skv, skv_pad, n_kb, 1.0,
         BLOCK=block_n, HEAD_DIM=d, SUB_MEAN=True, num_warps=warps)
 
     # 4) V: per-channel FP8 e4m3, staged as V^T (K-major B operand of the P.V MMA); fp16 mode reads V directly.
     if with_v:
-        vt8 = _staging("vt8", (bsz, hkv, d, skv_pad), torch.float8_e4m3fn, dev)
+        vt8 = buf["vt8"]
         _quant_v_fp8_kernel[(n_kb, bsz * hkv)](
             v, v_inv, vt8, *v.stride(), hkv, skv, skv_pad,
             BLOCK_T=block_n, HEAD_DIM=d, INTERPRETED=exact, num_warps=warps)
