@@ -17,7 +17,8 @@ from .catalog import Catalog, build_form
 from .decide import GateOptions, TimingCache, decide_shape
 from .decide_ffn import decide_ffn_site
 from .environment import environment
-from .forms.base import AttentionForm
+from .forms.base import AttentionForm, Runner
+from .kernels.staging import StagingKey, StagingPool
 from .plan import Plan, ShapeRecord, SiteRecord
 from .profiles import get_profile
 
@@ -70,6 +71,9 @@ def attach(model: nn.Module, example: Example, *, attention_forms: Sequence[str]
     trust_remote_code = _check_trust(trust_remote_code)
     run_example = _example_runner(model, example)
     forms: list[AttentionForm] = [build_form(s, trust_remote_code=trust_remote_code) for s in specs]
+    staging = StagingPool()  # scratch shared by every site of this attach; detach releases it
+    for form in forms:
+        form.staging = staging
     ffn_forms_built = [_ffn_form(s, allow_emulation) for s in ffn_specs]
     adapter = pick_adapter(model)
     modules = _filter_sites(adapter.find_sites(model), sites)
@@ -96,6 +100,7 @@ def attach(model: nn.Module, example: Example, *, attention_forms: Sequence[str]
             record, site_routes = _decide_site(site, router, forms, options, timings, uncalled)
             records.append(record)
             routes[site] = site_routes
+            staging.keep_only(_staging_keys(routes))  # what the gates tried and did not bind is freed
         for path, module in ffn_modules.items():
             stage = f"gating feed-forward site {path}"
             decision = decide_ffn_site(module, capture.inputs.get(path, {}), capture.counts.get(path, {}),
@@ -112,10 +117,11 @@ def attach(model: nn.Module, example: Example, *, attention_forms: Sequence[str]
         for form in forms:
             form.retain(bound_keys)
         router.bind(routes)
+        staging.keep_only(_staging_keys(routes))
         if adapter.discovered:
             installation.prune({r.name.rsplit("#", 1)[0] for r in records if r.kind == "attention"})
     except BaseException as exc:
-        _reverter(installation, forms, ffn_routes)()
+        _reverter(installation, forms, ffn_routes, staging)()
         capture.release()
         if not isinstance(exc, Exception):
             raise
@@ -136,7 +142,8 @@ def attach(model: nn.Module, example: Example, *, attention_forms: Sequence[str]
                                        else list(trust_remote_code))},
         _fallbacks=lambda: _counts(router.fallbacks, ffn_routes, "fallbacks"),
         _routed=lambda: _counts(router.routed, ffn_routes, "routed"),
-        _revert=_reverter(installation, forms, ffn_routes),
+        _revert=_reverter(installation, forms, ffn_routes, staging),
+        staging=staging,
     )
 
 
@@ -150,8 +157,8 @@ def detach(plan: Plan) -> None:
     plan.detached = True
 
 
-def _reverter(installation: Installation, forms: list[AttentionForm],
-              ffn_routes: list[FfnRoute]) -> Callable[[], None]:
+def _reverter(installation: Installation, forms: list[AttentionForm], ffn_routes: list[FfnRoute],
+              staging: StagingPool) -> Callable[[], None]:
     def revert() -> None:
         installation.uninstall()  # first: it refuses, changing nothing, when plans are detached out of order
         for route in reversed(ffn_routes):
@@ -159,8 +166,15 @@ def _reverter(installation: Installation, forms: list[AttentionForm],
         ffn_routes.clear()
         for form in forms:
             form.retain(set())
+            form.staging = None
+        staging.release()
 
     return revert
+
+
+def _staging_keys(routes: dict[str, dict[Any, Runner]]) -> set[StagingKey]:
+    """The staging buffers the bound runners draw; sites of one shape share them, so each counts once."""
+    return {key for site_routes in routes.values() for runner in site_routes.values() for key in runner.staging}
 
 
 def _install_router(adapter, modules: dict[str, nn.Module]) -> Installation:

@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from .kernels.staging import StagingPool
+
 OUTCOMES = ("bound", "declined", "refused", "host")
 """bound: a form serves the shape. declined: a form qualified and was accurate but not fast enough.
 refused: no form qualified (envelope or accuracy floor). host: no form was tried (none selected, the
@@ -71,6 +73,8 @@ class Plan:
     _routed: Callable[[], dict[str, int]] = field(repr=False, default=dict)
     _revert: Callable[[], None] | None = field(repr=False, default=None)
     detached: bool = False
+    staging: StagingPool | None = field(repr=False, default=None)
+    """The attach's staging pool: scratch shared by every bound site (not per site), released by detach."""
 
     @property
     def fallbacks(self) -> dict[str, int]:
@@ -95,11 +99,13 @@ class Plan:
         return out
 
     def memory(self) -> dict[str, int]:
-        """Device-resident bytes of bound feed-forward sites: what the forms hold, what the host held."""
+        """Resident bytes: of bound feed-forward sites, what the forms hold and what the host held; and
+        `staging_bytes`, the staging pool the bound attention sites share, counted once (0 once detached)."""
         totals = {"form_bytes": 0, "host_bytes": 0, "delta_bytes": 0}
         for s in self.sites:
             for k, v in (s.memory or {}).items():
                 totals[k] += v
+        totals["staging_bytes"] = self.staging.resident_bytes() if self.staging is not None else 0
         return totals
 
     def to_dict(self) -> dict[str, Any]:
@@ -132,6 +138,9 @@ class Plan:
         if mem["host_bytes"]:
             footer.append(f"bound feed-forward weights on the device: {_size(mem['host_bytes'])} (host) -> "
                           f"{_size(mem['form_bytes'])} (forms), {mem['delta_bytes'] / mem['host_bytes']:+.1%}")
+        if mem["staging_bytes"]:
+            footer.append(f"staging shared by the bound attention sites: {_size(mem['staging_bytes'])} in "
+                          f"{len(self.staging)} buffers (held by the attach, released on detach)")
         return "\n".join(lines + footer)
 
 

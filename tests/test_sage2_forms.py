@@ -29,11 +29,16 @@ def test_default_order_is_precision_first():
     assert names.index("sdpa_dense") < names.index("sage2_fp16") < names.index("sage2_fp8")
 
 
-def test_sage2_binds_through_the_interpreter_and_detaches(tmp_path):
+def cpu_sage2_catalog(folder: Path) -> Catalog:
+    """The shipped sage2 specs, copied into `folder` with the CPU admitted (the kernels run interpreted)."""
     for name in ("sage2_fp8", "sage2_fp16"):
         text = (Path(specs_dir()) / "attention_core" / f"{name}.toml").read_text()
-        (tmp_path / f"{name}.toml").write_text(text.replace('devices = ["cuda"]', 'devices = ["cpu", "cuda"]'))
-    catalog = Catalog.load([tmp_path])
+        (folder / f"{name}.toml").write_text(text.replace('devices = ["cuda"]', 'devices = ["cpu", "cuda"]'))
+    return Catalog.load([folder])
+
+
+def test_sage2_binds_through_the_interpreter_and_detaches(tmp_path):
+    catalog = cpu_sage2_catalog(tmp_path)
     model = blocks()
     x = torch.randn(2, 33, 128, dtype=torch.float16)
     with torch.no_grad():

@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 
 from ..calls import AttentionCall, ShapeKey
+from ..kernels.staging import StagingKey, StagingPool
 from ..specs import Spec
 
 
@@ -15,21 +16,28 @@ from ..specs import Spec
 class Runner:
     """Computes attention for a call: (B, H, Sq, Dv) in the query's dtype, caller's tensors untouched.
 
-    `detail` says what was chosen for this shape (a backend, a block size), for the plan.
+    `detail` says what was chosen for this shape (a backend, a block size), for the plan. `staging` lists the
+    buffers each call draws from the form's staging pool; the binder holds exactly those of bound runners.
     """
 
     fn: Callable[[AttentionCall], torch.Tensor]
     detail: str = ""
+    staging: tuple[StagingKey, ...] = ()
 
     def __call__(self, call: AttentionCall) -> torch.Tensor:
         return self.fn(call)
 
 
 class AttentionForm:
-    """Base class: a spec plus one runner per qualified shape, built on first use and cached."""
+    """Base class: a spec plus one runner per qualified shape, built on first use and cached.
+
+    `staging` is the attach's shared scratch pool (set by the binder before any runner is built); forms whose
+    kernels stage operands draw from it, others ignore it.
+    """
 
     def __init__(self, spec: Spec) -> None:
         self.spec = spec
+        self.staging: StagingPool | None = None
         self._runners: dict[ShapeKey, Runner] = {}
 
     @property

@@ -7,14 +7,15 @@ import functools
 import torch
 
 from ..calls import AttentionCall
+from ..kernels.sage2_attention import staging_keys
 from ..kernels.sage2_op import sage2_attention_op
 from ..masks import ALL_PASS
 from .base import AttentionForm, Runner
 
 
-def _run(pv: str, call: AttentionCall) -> torch.Tensor:
+def _run(pv: str, staging: str, call: AttentionCall) -> torch.Tensor:
     # an all-pass mask is dropped: the envelope admits only none and all_pass
-    return sage2_attention_op(call.query, call.key, call.value, call.scale, pv, call.is_causal)
+    return sage2_attention_op(call.query, call.key, call.value, call.scale, pv, call.is_causal, staging)
 
 
 class _Sage2(AttentionForm):
@@ -29,7 +30,12 @@ class _Sage2(AttentionForm):
 
     def build(self, call: AttentionCall) -> Runner:
         detail = f"INT8 QK, {self.pv.upper()} PV" + (", mask dropped" if call.mask_kind == ALL_PASS else "")
-        return Runner(functools.partial(_run, self.pv), detail)
+        pool = self.staging
+        if pool is None:
+            return Runner(functools.partial(_run, self.pv, ""), detail)
+        # the runner names its pool by handle (the op takes no objects) and lists the buffers it draws
+        return Runner(functools.partial(_run, self.pv, pool.handle), detail,
+                      staging=staging_keys(call.query, call.key, self.pv))
 
 
 class Sage2Fp8(_Sage2):
