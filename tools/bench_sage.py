@@ -6,7 +6,7 @@ shape: host `F.scaled_dot_product_attention` (default backend), `sage2_attention
 alone (`quantize_qkv`) to give their share of the sage2 time. Accuracy: cosine and relative L2 error against an
 fp32 SDPA reference. TFLOP/s counts 4*B*H*Sq*Skv*D (halved with --causal).
 
-    python tools/bench_sage.py [--json out.json] [--sweep] [--causal] [--shapes 1x32x24576x128,2x24x4096x64]
+    python tools/bench_sage.py [--json out.json] [--sweep] [--causal] [--gluon] [--shapes 1x32x24576x128,...]
 """
 
 from __future__ import annotations
@@ -28,14 +28,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flash_catalog.kernels.sage2_attention import default_config, quantize_qkv, sage2_attention  # noqa: E402
 
+# Gluon variants: (block_n, stages, two_level); block_m 128, 8 warps
+GLUON_SWEEP = [(128, 3, False), (128, 2, False), (128, 3, True), (64, 3, True), (64, 4, False)]
+
 DEFAULT_SHAPES = [(1, 32, 4096, 128), (1, 32, 16384, 128), (1, 32, 24576, 128), (1, 32, 32768, 128),
                   (2, 24, 4096, 64)]
 
 # (block_m, block_n, num_warps, num_stages); the first of each list is the kernel's default for that head_dim
 SWEEP = {
     # all compile for sm_90 without register spills (ptxas -v); 4 warps on 128x64xD128 tiles spill, so not listed
-    128: [(128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3)],
-    64: [(128, 64, 4, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3)],
+    128: [(128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 4)],
+    64: [(128, 64, 4, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3)],
 }
 
 
@@ -61,7 +64,36 @@ def bench(fn, warmup: int, rep: int) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
-def run_shape(shape, *, causal: bool, sweep: bool, warmup: int, rep: int) -> list[dict]:
+def gluon_rows(q, k, v, host_ms, row, warmup: int, rep: int, sweep: bool) -> list[dict]:
+    """The Hopper Gluon kernel (pv=fp8, non-causal): full path (quantisation included) and kernel alone."""
+    from flash_catalog.kernels.sage2_attention import sage2_attention_staged
+    from flash_catalog.kernels.sage2_gluon import gluon_config, sage2_gluon_staged
+    d = q.shape[-1]
+    bm, bn0, _, st0, two0 = gluon_config(d)
+    rows = []
+    for bn, st, two in (GLUON_SWEEP if sweep else [(bn0, st0, two0)]):
+        cfg = {"block_m": bm, "block_n": bn, "num_warps": 8, "num_stages": st, "two_level": two}
+        try:
+            staged = quantize_qkv(q, k, v, pv="fp8", block_m=bm, block_n=bn)
+            out = sage2_gluon_staged(staged, out_dtype=q.dtype, stages=st, two_level=two)
+            same = sage2_attention_staged(staged, out_dtype=torch.float32)
+            agree = accuracy(out, same)["rel_l2"]
+            fn = lambda: sage2_gluon_staged(quantize_qkv(q, k, v, pv="fp8", block_m=bm, block_n=bn),  # noqa: E731
+                                            out_dtype=q.dtype, stages=st, two_level=two)
+            ms = bench(fn, warmup, rep)
+            kernel_ms = bench(lambda: sage2_gluon_staged(staged, out_dtype=q.dtype, stages=st, two_level=two),
+                              warmup, rep)
+            r = row("gluon fp8", ms, out, config=cfg, kernel_ms=kernel_ms, quant_ms=ms - kernel_ms,
+                    quant_share=(ms - kernel_ms) / ms, ratio_vs_host=host_ms / ms, rel_l2_vs_triton=agree)
+            del out, same, staged
+        except Exception as exc:
+            r = row("gluon fp8", float("nan"), None, config=cfg, error=f"{type(exc).__name__}: {exc}"[:300])
+        rows.append(r)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def run_shape(shape, *, causal: bool, sweep: bool, warmup: int, rep: int, gluon: bool = False) -> list[dict]:
     b, h, s, d = shape
     flops = 4.0 * b * h * s * s * d * (0.5 if causal else 1.0)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -105,9 +137,11 @@ def run_shape(shape, *, causal: bool, sweep: bool, warmup: int, rep: int) -> lis
                     r = row(name, float("nan"), None, config=cfg, error=f"{type(exc).__name__}: {exc}"[:300])
                 rows.append(r)
                 torch.cuda.empty_cache()
-    if sweep:  # mark the fastest config per pv
-        for pv in ("fp8", "fp16"):
-            ok = [r for r in rows if r["impl"] == f"sage2 {pv}" and "error" not in r]
+        if gluon and not causal:
+            rows += gluon_rows(q, k, v, host_ms, row, warmup, rep, sweep)
+    if sweep:  # mark the fastest config per implementation
+        for impl in ("sage2 fp8", "sage2 fp16", "gluon fp8"):
+            ok = [r for r in rows if r["impl"] == impl and "error" not in r]
             if ok:
                 min(ok, key=lambda r: r["ms"])["best"] = True
     del q, k, v, ref
@@ -127,6 +161,8 @@ def print_table(rows: list[dict]) -> None:
     for r in rows:
         c = r.get("config")
         cfg = f"{c['block_m']},{c['block_n']},{c['num_warps']},{c['num_stages']}" if c else ""
+        if c and c.get("two_level"):
+            cfg += ",2L"
         if r.get("best"):
             cfg += " *"
         print(f"{r['shape']:<24} {r['impl']:<11} {cfg:<19} {fmt(r['ms'], '9.3f')} {fmt(r.get('tflops'), '8.1f')} "
@@ -142,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", type=parse_shapes, default=DEFAULT_SHAPES, help="BxHxSxD,... (default: the five)")
     ap.add_argument("--sweep", action="store_true", help="time several tile configs per shape, mark the best")
     ap.add_argument("--causal", action="store_true", help="causal attention (top-left), half the flops")
+    ap.add_argument("--gluon", action="store_true", help="also the Hopper Gluon kernel (fp8, non-causal, sm_90)")
     ap.add_argument("--warmup", type=int, default=100, help="do_bench warm-up, ms")
     ap.add_argument("--rep", type=int, default=500, help="do_bench measuring time, ms")
     args = ap.parse_args(argv)
@@ -155,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{env['device']} (sm_{env['capability'].replace('.', '')}), torch {env['torch']}, triton {env['triton']}")
     rows: list[dict] = []
     for shape in args.shapes:
-        rows += run_shape(shape, causal=args.causal, sweep=args.sweep, warmup=args.warmup, rep=args.rep)
+        rows += run_shape(shape, causal=args.causal, sweep=args.sweep, warmup=args.warmup, rep=args.rep,
+                          gluon=args.gluon)
         print_table([r for r in rows if r["shape"] == rows[-1]["shape"]])
         print()
     print("summary")

@@ -19,9 +19,9 @@ __all__ = ["sage2_attention", "sage2_attention_staged", "default_config", "quant
 def default_config(head_dim: int, pv: str = "fp8") -> dict[str, int]:
     """Autotune-free tiles for Hopper (H100/H200); the bench sweeps alternatives via keyword arguments."""
     del pv  # both P.V modes share the tiles for now
-    if head_dim == 128:
-        return {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3}
-    return {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3}
+    if head_dim == 128:  # H200 sweep (BENCHMARKS.md): 128x128 tiles, 3 stages beat 128x64 by 19% at S=24576
+        return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3}
+    return {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 4}
 
 
 def staging_keys(q: torch.Tensor, k: torch.Tensor, pv: str = "fp8") -> tuple[StagingKey, ...]:
@@ -29,6 +29,16 @@ def staging_keys(q: torch.Tensor, k: torch.Tensor, pv: str = "fp8") -> tuple[Sta
     cfg = default_config(q.shape[-1], pv)
     layout = staging_layout(q.shape, k.shape, pv=pv, block_m=cfg["block_m"], block_n=cfg["block_n"])
     return tuple(StagingKey(name, shape, dtype, q.device, pv) for name, (shape, dtype) in layout.items())
+
+
+# P is produced already scaled by 448 (e4m3's largest finite value): exp2(s - m + log2(448)). The factor cancels in
+# acc / l, so neither P nor the output needs a separate multiply.
+LOG2_P_SCALE = tl.constexpr(math.log2(448.0))
+# Integer -> float without I2F (which issues at the same 16/clk/SM as exp2): for |i| < 2^22, the bits of
+# i + 0x4B400000 are the float 1.5 * 2^23 + i exactly, and subtracting 1.5 * 2^23 leaves float(i) exactly:
+# an integer add and an FADD instead of a conversion.
+MAGIC_INT = tl.constexpr(0x4B400000)
+MAGIC_FLOAT = tl.constexpr(12582912.0)
 
 
 @triton.jit
@@ -42,24 +52,29 @@ def _attn_step(acc, l_i, m_i, q, q_scale, start_n, offs_m, offs_n, offs_d,
     k = tl.load(k_base + cols[:, None] * HEAD_DIM + offs_d[None, :])               # [BLOCK_N, D] int8, zero-padded
     k_scale = tl.load(ks_base + start_n // BLOCK_N)
     qk = tl.dot(q, tl.trans(k), out_dtype=tl.int32)
-    s = qk.to(tl.float32) * (q_scale * k_scale)
+    c = q_scale * k_scale
     if MASKED:
+        s = qk.to(tl.float32) * c
         keep = cols[None, :] < SEQ_KV                                                # padded keys of the last block
         if IS_CAUSAL:
             keep = keep & (cols[None, :] <= offs_m[:, None])
         s = tl.where(keep, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - (m_new - LOG2_P_SCALE)[:, None])
+    else:
+        # Row max on the integers, then one FFMA and one exp2 per score (|Q8.K8| <= 128*127*127 < 2^22).
+        m_new = tl.maximum(m_i, tl.max(qk, 1).to(tl.float32) * c)
+        f = (qk + MAGIC_INT).to(tl.float32, bitcast=True) - MAGIC_FLOAT               # == float(qk), exactly
+        p = tl.math.exp2(f * c - (m_new - LOG2_P_SCALE)[:, None])
     alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if PV_FP8:
-        # P in [0, 1] -> e4m3 with the static scale 448; V^T staged [D, S_pad] so both MMA operands are K-major.
-        pq = p * 448.0
+        # P8 = e4m3(448 * p); V^T staged [D, S_pad] so both MMA operands are K-major.
         if INTERPRETED:
-            pq = round_to_e4m3(pq)
+            p = round_to_e4m3(p)
         vt = tl.load(v_base + offs_d[:, None] * SEQ_KV_PAD + cols[None, :])        # [D, BLOCK_N] fp8
         # Two-level accumulation: a fresh fp32 product per block, then added into the running fp32 accumulator.
-        pv = tl.dot(pq.to(tl.float8e4nv), tl.trans(vt))
+        pv = tl.dot(p.to(tl.float8e4nv), tl.trans(vt))
         acc = acc * alpha[:, None] + pv
     else:
         v_ptr = v_base + cols[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd
@@ -148,7 +163,7 @@ def _sage2_fwd_kernel(Q8, QS, K8, KS, V, VS, Out,
                                  True, IS_CAUSAL, PV_FP8, INTERPRETED, BLOCK_N, HEAD_DIM)
 
     if PV_FP8:
-        v_scale = tl.load(VS + bhk * HEAD_DIM + offs_d) * (1.0 / 448.0)     # V's channel scale and P's 1/448
+        v_scale = tl.load(VS + bhk * HEAD_DIM + offs_d)                     # V's channel scale
         acc = acc * v_scale[None, :]
     out = acc / l_i[:, None]
     if INTERPRETED and OUT_BF16:  # the interpreter's fp32->bf16 cast truncates; GPUs round to nearest even

@@ -114,11 +114,11 @@ def sage2_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
             s = s.masked_fill(~keep, float("-inf"))
             m_new = torch.maximum(m, s.amax(dim=-1))
             alpha = torch.exp2(m - m_new)
-            p = torch.exp2(s - m_new[..., None])
+            p = torch.exp2(s - m_new[..., None] + math.log2(448.0))              # P scaled by 448, as the kernel
             l = l * alpha + p.sum(dim=-1)
             vb = vv[:, :, j * block_n:min((j + 1) * block_n, vv.shape[2])]
             if pv == "fp8":
-                pq = (p * 448.0).float().to(torch.float8_e4m3fn).double()
+                pq = p.float().to(torch.float8_e4m3fn).double()
                 blk = pq @ vb
             else:
                 pq = p.float().to(torch.float16).double()
@@ -128,6 +128,6 @@ def sage2_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
             acc = acc * alpha[..., None] + blk
             m = m_new
         if v_scale is not None:
-            acc = acc * (v_scale / 448.0)[:, :, None, :]
+            acc = acc * v_scale[:, :, None, :]
         out[:, :, i * block_m:(i + 1) * block_m] = acc / l[..., None]
     return out[:, :, :sq]
