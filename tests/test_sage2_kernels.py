@@ -197,3 +197,42 @@ def test_gpu_b1_h4_s1000_d128(pv, is_causal):
     out = _check(q, k, v, pv=pv, is_causal=is_causal)
     sdpa = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=is_causal)
     assert _cos(out, sdpa) >= COS_MIN[pv]
+
+
+def test_wgmma_v_order_permutes_tokens_inside_32_token_chunks():
+    q, k, v = _inputs(sq=40, skv=70, d=64)
+    natural = quantize_qkv(q, k, v, pv="fp8", block_m=64, block_n=128)
+    permuted = quantize_qkv(q, k, v, pv="fp8", block_m=64, block_n=128, v_order="wgmma")
+    assert natural.v_order == "natural" and permuted.v_order == "wgmma"
+    t = torch.arange(natural.v.shape[-1])
+    s = t % 32
+    column = t - s + (s & 16) + ((s >> 1) & 3) * 4 + ((s >> 3) & 1) * 2 + (s & 1)  # token t lands here
+    assert sorted(column.tolist()) == t.tolist()  # a permutation
+    assert torch.equal(permuted.v[..., column].view(torch.uint8), natural.v.view(torch.uint8))
+    for name in ("q8", "k8", "q_scale", "k_scale", "v_scale"):
+        assert torch.equal(getattr(permuted, name), getattr(natural, name))
+    with pytest.raises(ValueError, match=r"the Triton kernel reads V\^T in natural token order"):
+        sage2_attention_staged(permuted, out_dtype=torch.float32)
+    with pytest.raises(ValueError, match="v_order is 'tiled'; allowed: natural, wgmma"):
+        quantize_qkv(q, k, v, pv="fp8", v_order="tiled")
+    with pytest.raises(ValueError, match="v_order='wgmma' needs pv='fp8'"):
+        quantize_qkv(q, k, v, pv="fp16", v_order="wgmma")
+
+
+def test_kernel_choice_names_why_the_gluon_kernel_does_not_serve():
+    from flash_catalog.kernels.sage2_attention import choose_kernel, gluon_refusal
+
+    q = torch.zeros(1, 2, 8, 128, device=DEVICE, dtype=torch.bfloat16)
+    assert gluon_refusal(q, "fp16", False) == "pv='fp16' (it serves 'fp8')"
+    assert gluon_refusal(q, "fp8", True) == "is_causal (it serves non-causal attention)"
+    assert gluon_refusal(q[..., :64], "fp8", False) == "head_dim 64 (it serves 128)"
+    assert choose_kernel(q, "fp8", False, "triton") == "triton"
+    with pytest.raises(ValueError, match="kernel is 'cuda'; allowed: auto, triton, gluon"):
+        choose_kernel(q, "fp8", False, "cuda")
+    if DEVICE == "cpu":
+        assert gluon_refusal(q, "fp8", False) == "device cpu (it needs sm_90)"
+        assert choose_kernel(q, "fp8", False) == "triton"
+        with pytest.raises(ValueError, match=r"kernel='gluon' cannot serve this call: device cpu"):
+            sage2_attention(q, q, q, kernel="gluon")
+    with pytest.raises(ValueError, match="are the Triton kernel's"):
+        sage2_attention(q, q, q, kernel="gluon", block_m=64)

@@ -26,10 +26,8 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from flash_catalog.gate import paired_speedup  # noqa: E402
 from flash_catalog.kernels.sage2_attention import default_config, quantize_qkv, sage2_attention  # noqa: E402
-
-# Gluon variants: (block_n, stages, two_level); block_m 128, 8 warps
-GLUON_SWEEP = [(128, 3, False), (128, 2, False), (128, 3, True), (64, 3, True), (64, 4, False)]
 
 DEFAULT_SHAPES = [(1, 32, 4096, 128), (1, 32, 16384, 128), (1, 32, 24576, 128), (1, 32, 32768, 128),
                   (2, 24, 4096, 64)]
@@ -37,9 +35,12 @@ DEFAULT_SHAPES = [(1, 32, 4096, 128), (1, 32, 16384, 128), (1, 32, 24576, 128), 
 # (block_m, block_n, num_warps, num_stages); the first of each list is the kernel's default for that head_dim
 SWEEP = {
     # all compile for sm_90 without register spills (ptxas -v); 4 warps on 128x64xD128 tiles spill, so not listed
-    128: [(128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 4)],
-    64: [(128, 64, 4, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3)],
+    128: [(128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 8, 4)],
+    64: [(128, 64, 8, 4), (128, 64, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3)],
 }
+
+# Gluon variants: (schedule, stages, two_level)
+GLUON_SWEEP = [("pingpong", 3, False), ("pingpong", 4, False), ("pingpong", 2, False), ("single", 3, False)]
 
 
 def parse_shapes(text: str) -> list[tuple[int, int, int, int]]:
@@ -64,44 +65,56 @@ def bench(fn, warmup: int, rep: int) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
-def gluon_rows(q, k, v, host_ms, row, warmup: int, rep: int, sweep: bool) -> list[dict]:
-    """The Hopper Gluon kernel (pv=fp8, non-causal): full path (quantisation included) and kernel alone."""
+def gluon_rows(q, k, v, host_fn, host_ms, row, warmup: int, rep: int, sweep: bool) -> list[dict]:
+    """The Hopper Gluon kernels (pv=fp8, non-causal): full path (quantisation included) and kernel alone;
+    rel_l2_vs_triton compares with the Triton kernel on the same staging (same algorithm, other schedule)."""
     from flash_catalog.kernels.sage2_attention import sage2_attention_staged
-    from flash_catalog.kernels.sage2_gluon import gluon_config, sage2_gluon_staged
-    d = q.shape[-1]
-    bm, bn0, _, st0, two0 = gluon_config(d)
+    from flash_catalog.kernels.sage2_gluon import sage2_gluon_staged, staging_tiles
     rows = []
-    for bn, st, two in (GLUON_SWEEP if sweep else [(bn0, st0, two0)]):
-        cfg = {"block_m": bm, "block_n": bn, "num_warps": 8, "num_stages": st, "two_level": two}
+    for schedule, st, two in (GLUON_SWEEP if sweep else GLUON_SWEEP[:1]):
+        bm, bn = staging_tiles(schedule)
+        cfg = {"block_m": bm, "block_n": bn, "num_warps": 9 if schedule == "pingpong" else 8, "num_stages": st,
+               "two_level": two, "schedule": schedule}
         try:
-            staged = quantize_qkv(q, k, v, pv="fp8", block_m=bm, block_n=bn)
-            out = sage2_gluon_staged(staged, out_dtype=q.dtype, stages=st, two_level=two)
-            same = sage2_attention_staged(staged, out_dtype=torch.float32)
+            order = "wgmma" if schedule == "pingpong" else "natural"
+            staged = quantize_qkv(q, k, v, pv="fp8", block_m=bm, block_n=bn, v_order=order)
+            out = sage2_gluon_staged(staged, out_dtype=q.dtype, schedule=schedule, stages=st, two_level=two)
+            plain = quantize_qkv(q, k, v, pv="fp8", block_m=bm, block_n=bn)
+            same = sage2_attention_staged(plain, out_dtype=torch.float32, num_warps=4 if bm == 64 else 8)
             agree = accuracy(out, same)["rel_l2"]
-            fn = lambda: sage2_gluon_staged(quantize_qkv(q, k, v, pv="fp8", block_m=bm, block_n=bn),  # noqa: E731
-                                            out_dtype=q.dtype, stages=st, two_level=two)
+            del plain, same
+            fn = lambda: sage2_gluon_staged(  # noqa: E731
+                quantize_qkv(q, k, v, pv="fp8", block_m=bm, block_n=bn, v_order=order),
+                out_dtype=q.dtype, schedule=schedule, stages=st, two_level=two)
             ms = bench(fn, warmup, rep)
-            kernel_ms = bench(lambda: sage2_gluon_staged(staged, out_dtype=q.dtype, stages=st, two_level=two),
-                              warmup, rep)
-            r = row("gluon fp8", ms, out, config=cfg, kernel_ms=kernel_ms, quant_ms=ms - kernel_ms,
-                    quant_share=(ms - kernel_ms) / ms, ratio_vs_host=host_ms / ms, rel_l2_vs_triton=agree)
-            del out, same, staged
+            gate_ratio = paired_speedup(host_fn, fn, q.device).speedup
+            kernel_ms = bench(lambda: sage2_gluon_staged(staged, out_dtype=q.dtype, schedule=schedule, stages=st,
+                                                         two_level=two), warmup, rep)
+            r = row(f"gluon {schedule}", ms, out, config=cfg, kernel_ms=kernel_ms, quant_ms=ms - kernel_ms,
+                    quant_share=(ms - kernel_ms) / ms, ratio_vs_host=host_ms / ms, rel_l2_vs_triton=agree,
+                    gate_ratio=gate_ratio)
+            del out, staged
         except Exception as exc:
-            r = row("gluon fp8", float("nan"), None, config=cfg, error=f"{type(exc).__name__}: {exc}"[:300])
+            r = row(f"gluon {schedule}", float("nan"), None, config=cfg, error=f"{type(exc).__name__}: {exc}"[:300])
         rows.append(r)
         torch.cuda.empty_cache()
     return rows
 
 
-def run_shape(shape, *, causal: bool, sweep: bool, warmup: int, rep: int, gluon: bool = False) -> list[dict]:
+def run_shape(shape, *, causal: bool, sweep: bool, warmup: int, rep: int, gluon: bool = False,
+              triton_rows: bool = True, layout: str = "bhsd", gate: bool = False) -> list[dict]:
     b, h, s, d = shape
     flops = 4.0 * b * h * s * s * d * (0.5 if causal else 1.0)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    if layout == "bshd":  # diffusers' layout: (B, S, H, D) storage seen as (B, H, S, D)
+        q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=gen).transpose(1, 2)
+                   for _ in range(3))
+    else:
+        q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
     with torch.no_grad():
         ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
     rows: list[dict] = []
-    label = f"B{b} H{h} S{s} D{d}" + (" causal" if causal else "")
+    label = f"B{b} H{h} S{s} D{d}" + (" causal" if causal else "") + (" bshd" if layout == "bshd" else "")
 
     def row(impl: str, ms: float, out: torch.Tensor | None, **extra) -> dict:
         r = {"shape": label, "B": b, "H": h, "S": s, "D": d, "causal": causal, "impl": impl, "ms": ms,
@@ -117,7 +130,12 @@ def run_shape(shape, *, causal: bool, sweep: bool, warmup: int, rep: int, gluon:
         host_ms = bench(host_fn, warmup, rep)
         rows.append(row("host sdpa", host_ms, host_out))
         del host_out
-        for pv in ("fp8", "fp16"):
+        if gate:  # the catalog's own gate: paired, alternating CUDA-event timing without cache flushes
+            auto = lambda: sage2_attention(q, k, v, pv="fp8", is_causal=causal)  # noqa: E731
+            timing = paired_speedup(host_fn, auto, q.device)
+            rows.append(row("gate fp8 auto", timing.form_ms, auto(), ratio_vs_host=timing.speedup,
+                            gate_host_ms=timing.host_ms))
+        for pv in () if not triton_rows else ("fp8", "fp16"):
             cfgs = SWEEP[d] if sweep else [tuple(default_config(d, pv)[key] for key in
                                                  ("block_m", "block_n", "num_warps", "num_stages"))]
             for bm, bn, nw, ns in cfgs:
@@ -131,16 +149,16 @@ def run_shape(shape, *, causal: bool, sweep: bool, warmup: int, rep: int, gluon:
                     qfn = lambda: quantize_qkv(q, k, v, pv=pv, block_m=bm, block_n=bn)  # noqa: E731
                     quant_ms = bench(qfn, warmup, rep)
                     r = row(name, ms, out, config=cfg, quant_ms=quant_ms, quant_share=quant_ms / ms,
-                            ratio_vs_host=host_ms / ms)
+                            ratio_vs_host=host_ms / ms, gate_ratio=paired_speedup(host_fn, fn, q.device).speedup)
                     del out
                 except Exception as exc:  # a config that does not compile or fit (shared memory, registers)
                     r = row(name, float("nan"), None, config=cfg, error=f"{type(exc).__name__}: {exc}"[:300])
                 rows.append(r)
                 torch.cuda.empty_cache()
         if gluon and not causal:
-            rows += gluon_rows(q, k, v, host_ms, row, warmup, rep, sweep)
+            rows += gluon_rows(q, k, v, host_fn, host_ms, row, warmup, rep, sweep)
     if sweep:  # mark the fastest config per implementation
-        for impl in ("sage2 fp8", "sage2 fp16", "gluon fp8"):
+        for impl in ("sage2 fp8", "sage2 fp16", "gluon pingpong", "gluon single"):
             ok = [r for r in rows if r["impl"] == impl and "error" not in r]
             if ok:
                 min(ok, key=lambda r: r["ms"])["best"] = True
@@ -154,8 +172,8 @@ def fmt(x, spec: str) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    head = (f"{'shape':<24} {'impl':<11} {'config (bm,bn,w,s)':<19} {'ms':>9} {'TFLOP/s':>8} {'vs host':>8} "
-            f"{'cos':>9} {'rel_l2':>8} {'quant ms':>9} {'quant %':>8}")
+    head = (f"{'shape':<24} {'impl':<15} {'config (bm,bn,w,s)':<22} {'ms':>9} {'TFLOP/s':>8} {'vs host':>8} "
+            f"{'gate':>6} {'cos':>9} {'rel_l2':>8} {'quant ms':>9} {'quant %':>8}")
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -163,10 +181,13 @@ def print_table(rows: list[dict]) -> None:
         cfg = f"{c['block_m']},{c['block_n']},{c['num_warps']},{c['num_stages']}" if c else ""
         if c and c.get("two_level"):
             cfg += ",2L"
+        if "rel_l2_vs_triton" in r:
+            cfg += f" ~{r['rel_l2_vs_triton']:.0e}"
         if r.get("best"):
             cfg += " *"
-        print(f"{r['shape']:<24} {r['impl']:<11} {cfg:<19} {fmt(r['ms'], '9.3f')} {fmt(r.get('tflops'), '8.1f')} "
-              f"{fmt(r.get('ratio_vs_host'), '8.3f')} {fmt(r.get('cos'), '9.6f')} {fmt(r.get('rel_l2'), '8.1e')} "
+        print(f"{r['shape']:<24} {r['impl']:<15} {cfg:<22} {fmt(r['ms'], '9.3f')} {fmt(r.get('tflops'), '8.1f')} "
+              f"{fmt(r.get('ratio_vs_host'), '8.3f')} {fmt(r.get('gate_ratio'), '6.3f')} {fmt(r.get('cos'), '9.6f')} "
+              f"{fmt(r.get('rel_l2'), '8.1e')} "
               f"{fmt(r.get('quant_ms'), '9.3f')} "
               f"{fmt(100 * r['quant_share'] if 'quant_share' in r else None, '7.1f')}"
               + (f"  ERROR {r['error']}" if "error" in r else ""))
@@ -178,7 +199,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", type=parse_shapes, default=DEFAULT_SHAPES, help="BxHxSxD,... (default: the five)")
     ap.add_argument("--sweep", action="store_true", help="time several tile configs per shape, mark the best")
     ap.add_argument("--causal", action="store_true", help="causal attention (top-left), half the flops")
-    ap.add_argument("--gluon", action="store_true", help="also the Hopper Gluon kernel (fp8, non-causal, sm_90)")
+    ap.add_argument("--gluon", action="store_true", help="also the Hopper Gluon kernels (fp8, non-causal, sm_90)")
+    ap.add_argument("--no-triton", action="store_true", help="skip the Triton-language kernels")
+    ap.add_argument("--gate", action="store_true",
+                    help="also time sage2 fp8 (kernel auto) against the host with the catalog's paired gate timer")
+    ap.add_argument("--layout", choices=("bhsd", "bshd"), default="bhsd",
+                    help="storage of q, k, v: contiguous (B, H, S, D), or (B, S, H, D) as diffusers passes it")
     ap.add_argument("--warmup", type=int, default=100, help="do_bench warm-up, ms")
     ap.add_argument("--rep", type=int, default=500, help="do_bench measuring time, ms")
     args = ap.parse_args(argv)
@@ -193,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     for shape in args.shapes:
         rows += run_shape(shape, causal=args.causal, sweep=args.sweep, warmup=args.warmup, rep=args.rep,
-                          gluon=args.gluon)
+                          gluon=args.gluon, triton_rows=not args.no_triton, layout=args.layout, gate=args.gate)
         print_table([r for r in rows if r["shape"] == rows[-1]["shape"]])
         print()
     print("summary")

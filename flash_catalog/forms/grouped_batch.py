@@ -65,7 +65,7 @@ def _run(g: int, causal: bool, local: torch.Tensor | None, local_heads: torch.Te
         is_causal=causal, scale=call.scale, enable_gqa=call.enable_gqa)
     dv = out.shape[-1]
     if into_heads:
-        return out.view(b, h, s, dv)
+        return out.reshape(b, h, s, dv)  # a view unless the backend returned its output in (B, S, H, D) order
     return out.view(b, n, h, g, dv).transpose(1, 2).reshape(b, h, s, dv)
 
 

@@ -13,7 +13,7 @@ from .sage2_quant import (Sage2Staged, interpreter_active, quantize_qkv, round_t
 from .staging import StagingKey, StagingPool
 
 __all__ = ["sage2_attention", "sage2_attention_staged", "default_config", "quantize_qkv", "Sage2Staged",
-           "staging_keys"]
+           "staging_keys", "choose_kernel", "gluon_refusal", "KERNELS"]
 
 
 def default_config(head_dim: int, pv: str = "fp8") -> dict[str, int]:
@@ -24,10 +24,54 @@ def default_config(head_dim: int, pv: str = "fp8") -> dict[str, int]:
     return {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 4}
 
 
-def staging_keys(q: torch.Tensor, k: torch.Tensor, pv: str = "fp8") -> tuple[StagingKey, ...]:
-    """The pool keys a `sage2_attention(q, k, v, pv=pv, staging=pool)` call draws, at the default tiles."""
+KERNELS = ("auto", "triton", "gluon")
+
+
+def gluon_refusal(q: torch.Tensor, pv: str, is_causal: bool) -> str | None:
+    """Why the Hopper Gluon kernel cannot serve this call (None: it can)."""
+    if pv != "fp8":
+        return f"pv={pv!r} (it serves 'fp8')"
+    if is_causal:
+        return "is_causal (it serves non-causal attention)"
+    if q.shape[-1] != 128:
+        return f"head_dim {q.shape[-1]} (it serves 128)"
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return f"device {q.device} (it needs sm_90)"
+    try:
+        from . import sage2_gluon  # noqa: F401  (triton with Gluon's Hopper dialect)
+    except ImportError as exc:
+        return f"Gluon unavailable ({exc})"
+    return None
+
+
+def choose_kernel(q: torch.Tensor, pv: str, is_causal: bool, kernel: str = "auto") -> str:
+    """"gluon" (the Hopper ping-pong kernel: measured fastest for fp8, non-causal, D128 on the H200) or "triton"."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel is {kernel!r}; allowed: {', '.join(KERNELS)}")
+    if kernel == "triton":
+        return "triton"
+    why = gluon_refusal(q, pv, is_causal)
+    if kernel == "gluon" and why is not None:
+        raise ValueError(f"kernel='gluon' cannot serve this call: {why}; use kernel='triton' or 'auto'")
+    return "gluon" if why is None else "triton"
+
+
+def _tiles(q: torch.Tensor, pv: str, kernel: str) -> tuple[int, int, str]:
+    """(block_m, block_n, v_order) of the staging for the chosen kernel."""
+    if kernel == "gluon":
+        from .sage2_gluon import staging_tiles
+        bm, bn = staging_tiles("pingpong")
+        return bm, bn, "wgmma"
     cfg = default_config(q.shape[-1], pv)
-    layout = staging_layout(q.shape, k.shape, pv=pv, block_m=cfg["block_m"], block_n=cfg["block_n"])
+    return cfg["block_m"], cfg["block_n"], "natural"
+
+
+def staging_keys(q: torch.Tensor, k: torch.Tensor, pv: str = "fp8", is_causal: bool = False,
+                 kernel: str = "auto") -> tuple[StagingKey, ...]:
+    """The pool keys a `sage2_attention(q, k, v, pv=pv, is_causal=is_causal, staging=pool, kernel=kernel)`
+    call draws."""
+    bm, bn, _ = _tiles(q, pv, choose_kernel(q, pv, is_causal, kernel))
+    layout = staging_layout(q.shape, k.shape, pv=pv, block_m=bm, block_n=bn)
     return tuple(StagingKey(name, shape, dtype, q.device, pv) for name, (shape, dtype) in layout.items())
 
 
@@ -177,6 +221,9 @@ def sage2_attention_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, is_ca
                            num_warps: int | None = None, num_stages: int | None = None,
                            out: torch.Tensor | None = None) -> torch.Tensor:
     """Run the attention kernel on already quantised operands (see `quantize_qkv`); returns (B, Hq, Sq, D)."""
+    if staged.v_order != "natural":
+        raise ValueError(f"the Triton kernel reads V^T in natural token order; got staging with "
+                         f"v_order={staged.v_order!r} (that order is for sage2_gluon's ping-pong kernel)")
     bsz, hq, sq_pad, d = staged.q8.shape
     hkv, skv_pad = staged.k8.shape[1], staged.k8.shape[2]
     sq, skv = staged.seq_q, staged.seq_kv
@@ -204,28 +251,39 @@ def sage2_attention_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, is_ca
 def sage2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
                     pv: str = "fp8", is_causal: bool = False, block_m: int | None = None,
                     block_n: int | None = None, num_warps: int | None = None,
-                    num_stages: int | None = None, staging: StagingPool | None = None) -> torch.Tensor:
+                    num_stages: int | None = None, staging: StagingPool | None = None,
+                    kernel: str = "auto") -> torch.Tensor:
     """SageAttention2 forward: softmax(q k^T * scale) v for (B, H, S, D) fp16/bf16 inputs, GQA allowed.
 
     pv="fp8": P and V in FP8 e4m3 (V per-channel scaled); pv="fp16": P and V in fp16. Q/K are INT8 per tile
     after K smoothing either way. is_causal is top-left aligned, like torch SDPA. Forward only (no autograd).
     The caller's tensors are never modified; the output is a new contiguous tensor in q's dtype. With `staging`,
     the quantised operands live in the pool's buffers (see `staging_keys`) instead of fresh memory; the output
-    never does, and nothing of the pool is returned or kept."""
+    never does, and nothing of the pool is returned or kept. `kernel="auto"` runs the Hopper Gluon kernel where
+    it serves the call (fp8, non-causal, D128, sm_90) and the Triton kernel elsewhere; explicit tiles
+    (block_m, block_n, num_warps, num_stages) are the Triton kernel's."""
     validate_inputs(q, k, v, pv=pv, scale=scale)
     if not isinstance(is_causal, bool):
         raise ValueError(f"is_causal is {is_causal!r}; allowed: True, False")
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         raise NotImplementedError("sage2_attention is forward-only: no backward kernel; call it under "
                                   "torch.no_grad() / torch.inference_mode() or on tensors without requires_grad")
+    tiles_given = any(x is not None for x in (block_m, block_n, num_warps, num_stages))
+    if tiles_given and kernel == "gluon":
+        raise ValueError("block_m, block_n, num_warps and num_stages are the Triton kernel's; "
+                         "leave them unset with kernel='gluon'")
+    chosen = choose_kernel(q, pv, is_causal, "triton" if tiles_given else kernel)
     d = q.shape[-1]
-    cfg = default_config(d, pv)
-    bm = block_m if block_m is not None else cfg["block_m"]
-    bn = block_n if block_n is not None else cfg["block_n"]
+    bm, bn, v_order = _tiles(q, pv, chosen)
+    bm = block_m if block_m is not None else bm
+    bn = block_n if block_n is not None else bn
     sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
     if q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0:
         return torch.empty((q.shape[0], q.shape[1], q.shape[2], d), dtype=q.dtype, device=q.device)
     staged = quantize_qkv(q, k, v, sm_scale=sm_scale, pv=pv, block_m=bm, block_n=bn, validate=False,
-                          staging=staging)
+                          staging=staging, v_order=v_order)
+    if chosen == "gluon":
+        from .sage2_gluon import sage2_gluon_staged
+        return sage2_gluon_staged(staged, out_dtype=q.dtype, schedule="pingpong")
     return sage2_attention_staged(staged, out_dtype=q.dtype, is_causal=is_causal, num_warps=num_warps,
                                   num_stages=num_stages)

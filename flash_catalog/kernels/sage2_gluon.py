@@ -23,13 +23,6 @@ LOG2_P_SCALE = gl.constexpr(math.log2(448.0))   # P leaves exp2 already scaled b
 MAGIC_INT = gl.constexpr(0x4B400000)            # int -> float without I2F: bits of i + 0x4B400000 = 1.5*2^23 + i
 MAGIC_FLOAT = gl.constexpr(12582912.0)
 
-GLUON_CONFIGS = {
-    # (block_m, block_n, num_warps, stages, two_level)
-    128: (128, 128, 8, 3, False),
-    64: (128, 128, 8, 3, False),
-}
-
-
 @gluon.jit
 def _issue_kv(k_desc, vt_desc, k_bufs, v_bufs, ready, block, kv_row0, vt_row0,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, pred):
@@ -140,35 +133,225 @@ def _sage2_fp8_fwd(q_desc, k_desc, vt_desc, QS, KS, VS, Out,
     gl.store(ptrs, out.to(Out.dtype.element_ty), mask=gl.expand_dims(offs_m < SEQ_Q, 1))
 
 
-def gluon_config(head_dim: int) -> tuple[int, int, int, int, bool]:
-    """(block_m, block_n, num_warps, stages, two_level) for a head dim; the staging must use the same tiles."""
-    return GLUON_CONFIGS[head_dim]
+@gluon.jit
+def _softmax_block(qk, m_i, l_i, c, j, SEQ_KV, BLOCK_N: gl.constexpr, s_layout: gl.constexpr,
+                   p_layout: gl.constexpr, PERMUTED: gl.constexpr):
+    """Online softmax of one key block in the log2 domain; P leaves as e4m3 (scaled by 448) in the A layout."""
+    if (j + 1) * BLOCK_N > SEQ_KV:  # the partial last block: padded keys must not take softmax mass
+        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        sf = gl.where(gl.expand_dims(cols < SEQ_KV, 0), qk.to(gl.float32) * c, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(sf, axis=1))
+        p = gl.exp2(sf - gl.expand_dims(m_new - LOG2_P_SCALE, 1))
+    else:
+        m_new = gl.maximum(m_i, gl.max(qk, axis=1).to(gl.float32) * c)
+        f = (qk + MAGIC_INT).to(gl.float32, bitcast=True) - MAGIC_FLOAT
+        p = gl.exp2(f * c - gl.expand_dims(m_new - LOG2_P_SCALE, 1))
+    alpha = gl.exp2(m_i - m_new)
+    l_new = l_i * alpha + gl.sum(p, axis=1)
+    p8 = p.to(gl.float8e4nv)
+    if PERMUTED:
+        # Key order inside each 32-key chunk as the staged V^T has it (v_order="wgmma"): column
+        # 16a + 8b + 2q + e of the score accumulator becomes MMA k index 16a + 4q + 2b + e, so every thread
+        # already holds the four consecutive k values of its A-operand registers (no shuffles).
+        rows: gl.constexpr = p8.type.shape[0]
+        p8 = gl.reshape(p8, [rows, BLOCK_N // 32, 2, 2, 4, 2])
+        p8 = gl.permute(p8, [0, 1, 2, 4, 3, 5])
+        p8 = gl.reshape(p8, [rows, BLOCK_N])
+    return gl.convert_layout(p8, p_layout), m_new, l_new, alpha
 
 
-def sage2_gluon_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, num_warps: int | None = None,
-                       stages: int | None = None, two_level: bool | None = None) -> torch.Tensor:
-    """Run the Gluon kernel on `quantize_qkv(..., pv="fp8")` staging; returns (B, Hq, Sq, D) in out_dtype."""
-    if staged.pv != "fp8":
-        raise ValueError(f"the Gluon kernel serves pv='fp8' staging; got pv={staged.pv!r}")
+@gluon.jit
+def _ws_consume(args, wg: gl.constexpr):
+    """One consumer warpgroup: 64 query rows; its MMAs alternate with the other warpgroup's (ping-pong)."""
+    (q_smem, k_bufs, v_bufs, ready, empty, q_bars, turn, QS, KS, VS, Out, stride_ob, stride_oh, stride_os,
+     H_Q, H_KV, SEQ_Q, SEQ_KV, N_QB, N_KB) = args
+    # Tile sizes come from the buffers' types: constexprs passed through warp_specialize arrive as tensors.
+    STAGES: gl.constexpr = k_bufs.type.shape[0]
+    BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
+    HEAD_DIM: gl.constexpr = k_bufs.type.shape[2]
+    ROWS: gl.constexpr = q_smem.type.shape[1]
+    PERMUTED: gl.constexpr = True  # the ping-pong schedule reads V^T staged in wgmma key order
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 32])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 32])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+
+    pid_m = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    b = pid_bh // H_Q
+    h = pid_bh % H_Q
+    bhk = b * H_KV + h // (H_Q // H_KV)
+    tile = pid_m * 2 + wg
+    q_scale = gl.load(QS + pid_bh * N_QB + gl.minimum(tile, N_QB - 1))
+    ks_base = KS + bhk * N_KB
+    q_tile = q_smem.index(wg)
+    other: gl.constexpr = 1 - wg
+    n_blocks = gl.cdiv(SEQ_KV, BLOCK_N)
+    zero_s = gl.zeros([ROWS, BLOCK_N], gl.int32, s_layout)
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+
+    mbarrier.wait(q_bars.index(wg), 0)
+    mbarrier.wait(ready.index(0), 0)
+    mbarrier.wait(turn.index(wg), 0)
+    tok = warpgroup_mma(q_tile, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    mbarrier.arrive(turn.index(other), count=1)
+    qk = warpgroup_mma_wait(num_outstanding=0, deps=(tok,))
+    p8, m_i, l_i, alpha = _softmax_block(qk, m_i, l_i, q_scale * gl.load(ks_base), 0, SEQ_KV, BLOCK_N,
+                                         s_layout, p_layout, PERMUTED)
+    for j in range(1, n_blocks):
+        slot = j % STAGES
+        prev = (j - 1) % STAGES
+        mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+        mbarrier.wait(turn.index(wg), j & 1)
+        qk_tok = warpgroup_mma(q_tile, k_bufs.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        pv_tok = warpgroup_mma(p8, v_bufs.index(prev).permute((1, 0)), acc, is_async=True)
+        mbarrier.arrive(turn.index(other), count=1)
+        c = q_scale * gl.load(ks_base + j)
+        qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk_tok,))
+        p8, m_i, l_i, alpha = _softmax_block(qk, m_i, l_i, c, j, SEQ_KV, BLOCK_N, s_layout, p_layout, PERMUTED)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(pv_tok,))
+        mbarrier.arrive(empty.index(prev), count=1)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+    last = (n_blocks - 1) % STAGES
+    mbarrier.wait(turn.index(wg), n_blocks & 1)
+    pv_tok = warpgroup_mma(p8, v_bufs.index(last).permute((1, 0)), acc, is_async=True)
+    mbarrier.arrive(turn.index(other), count=1)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(pv_tok,))
+    mbarrier.arrive(empty.index(last), count=1)
+
+    offs_d = gl.arange(0, HEAD_DIM, layout=col_o)
+    v_scale = gl.load(VS + bhk * HEAD_DIM + offs_d)
+    out = acc * gl.expand_dims(v_scale, 0) / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
+    offs_m = tile * ROWS + gl.arange(0, ROWS, layout=row_o)
+    ptrs = (Out + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+            + gl.expand_dims(offs_m.to(gl.int64) * stride_os, 1) + gl.expand_dims(offs_d, 0))
+    gl.store(ptrs, out.to(Out.dtype.element_ty), mask=gl.expand_dims(offs_m < SEQ_Q, 1))
+
+
+@gluon.jit
+def _ws_consumer0(args, loads):
+    _ws_consume(args, 0)
+
+
+@gluon.jit
+def _ws_consumer1(args, loads):
+    _ws_consume(args, 1)
+
+
+@gluon.jit
+def _ws_load(args, loads):
+    """One warp: both Q tiles, then the K / V^T ring, each slot refilled once both consumers released it."""
+    (q_smem, k_bufs, v_bufs, ready, empty, q_bars, turn, QS, KS, VS, Out, stride_ob, stride_oh, stride_os,
+     H_Q, H_KV, SEQ_Q, SEQ_KV, N_QB, N_KB) = args
+    q_desc, k_desc, vt_desc, SEQ_Q_PAD, SEQ_KV_PAD = loads
+    STAGES: gl.constexpr = k_bufs.type.shape[0]
+    BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
+    HEAD_DIM: gl.constexpr = k_bufs.type.shape[2]
+    pid_m = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    bhk = (pid_bh // H_Q) * H_KV + (pid_bh % H_Q) // (H_Q // H_KV)
+    q_row0 = pid_bh * SEQ_Q_PAD + pid_m * 128
+    kv_row0 = bhk * SEQ_KV_PAD
+    vt_row0 = bhk * HEAD_DIM
+    for i in gl.static_range(2):
+        mbarrier.expect(q_bars.index(i), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row0 + i * 64, 0], q_bars.index(i), q_smem.index(i))
+    for blk in range(gl.cdiv(SEQ_KV, BLOCK_N)):
+        slot = blk % STAGES
+        mbarrier.wait(empty.index(slot), ((blk // STAGES) & 1) ^ 1)
+        bar = ready.index(slot)
+        mbarrier.expect(bar, k_desc.block_type.nbytes + vt_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [kv_row0 + blk * BLOCK_N, 0], bar, k_bufs.index(slot))
+        tma.async_copy_global_to_shared(vt_desc, [vt_row0, blk * BLOCK_N], bar, v_bufs.index(slot))
+
+
+@gluon.jit
+def _sage2_fp8_fwd_ws(q_desc, k_desc, vt_desc, QS, KS, VS, Out,
+                      stride_ob, stride_oh, stride_os,
+                      H_Q, H_KV, SEQ_Q, SEQ_KV, SEQ_Q_PAD, SEQ_KV_PAD, N_QB, N_KB,
+                      BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    """128 query rows per program: two consumer warpgroups of 64 rows (ping-pong) and a one-warp TMA loader."""
+    q_smem = gl.allocate_shared_memory(gl.int8, [2, 64, HEAD_DIM], q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_DIM, BLOCK_N], vt_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(q_bars.index(i), count=1)
+        mbarrier.init(turn.index(i), count=1)
+    fence_async_shared()
+    mbarrier.arrive(turn.index(0), count=1)  # warpgroup 0 issues first
+    args = (q_smem, k_bufs, v_bufs, ready, empty, q_bars, turn, QS, KS, VS, Out, stride_ob, stride_oh, stride_os,
+            H_Q, H_KV, SEQ_Q, SEQ_KV, N_QB, N_KB)
+    loads = (q_desc, k_desc, vt_desc, SEQ_Q_PAD, SEQ_KV_PAD)
+    part = (args, loads)
+    gl.warp_specialize([(_ws_consumer0, part), (_ws_consumer1, part), (_ws_load, part)], [4, 1], [240, 24])
+
+
+def _descriptors(staged: Sage2Staged, q_rows: int) -> tuple[TensorDescriptor, TensorDescriptor, TensorDescriptor]:
     bsz, hq, sq_pad, d = staged.q8.shape
     hkv, skv_pad = staged.k8.shape[1], staged.k8.shape[2]
-    _, _, warps0, stages0, two0 = gluon_config(d)
+    bn = staged.block_n
+    q2 = staged.q8.view(bsz * hq * sq_pad, d)
+    k2 = staged.k8.view(bsz * hkv * skv_pad, d)
+    vt2 = staged.v.view(bsz * hkv * d, skv_pad)
+    layout = gl.NVMMASharedLayout.get_default_for
+    return (TensorDescriptor.from_tensor(q2, [q_rows, d], layout([q_rows, d], gl.int8)),
+            TensorDescriptor.from_tensor(k2, [bn, d], layout([bn, d], gl.int8)),
+            TensorDescriptor.from_tensor(vt2, [d, bn], layout([d, bn], gl.float8e4nv)))
+
+
+SCHEDULES = ("pingpong", "single")
+
+
+def staging_tiles(schedule: str = "pingpong") -> tuple[int, int]:
+    """(block_m, block_n) the staging must use for a schedule: per-tile Q scales follow the consumer's rows."""
+    return (64, 128) if schedule == "pingpong" else (128, 128)
+
+
+def sage2_gluon_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, schedule: str = "pingpong",
+                       stages: int = 3, two_level: bool = False) -> torch.Tensor:
+    """Run a Gluon kernel on `quantize_qkv(..., pv="fp8")` staging; returns (B, Hq, Sq, D) in out_dtype.
+
+    schedule="pingpong": two consumer warpgroups of 64 rows whose MMAs alternate, and a TMA loader warp
+    (staging block_m 64); "single": one 8-warp partition that issues the next Q.K^T before each softmax
+    (staging block_m 128). `two_level` (single only) adds each block's P.V on the CUDA cores."""
+    if staged.pv != "fp8":
+        raise ValueError(f"the Gluon kernels serve pv='fp8' staging; got pv={staged.pv!r}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule is {schedule!r}; allowed: {', '.join(SCHEDULES)}")
+    order = "wgmma" if schedule == "pingpong" else "natural"
+    if staged.v_order != order:
+        raise ValueError(f"schedule {schedule!r} reads V^T in {order!r} token order; got staging with "
+                         f"v_order={staged.v_order!r}: quantize_qkv(..., v_order={order!r})")
+    if (staged.block_m, staged.block_n) != staging_tiles(schedule):
+        raise ValueError(f"schedule {schedule!r} needs staging tiles {staging_tiles(schedule)}; got "
+                         f"({staged.block_m}, {staged.block_n})")
+    bsz, hq, sq_pad, d = staged.q8.shape
+    hkv, skv_pad = staged.k8.shape[1], staged.k8.shape[2]
     bm, bn = staged.block_m, staged.block_n
     out = torch.empty((bsz, hq, staged.seq_q, d), dtype=out_dtype, device=staged.q8.device)
     if out.numel() == 0:
         return out
-    q2 = staged.q8.view(bsz * hq * sq_pad, d)
-    k2 = staged.k8.view(bsz * hkv * skv_pad, d)
-    vt2 = staged.v.view(bsz * hkv * d, skv_pad)
-    q_desc = TensorDescriptor.from_tensor(q2, [bm, d], gl.NVMMASharedLayout.get_default_for([bm, d], gl.int8))
-    k_desc = TensorDescriptor.from_tensor(k2, [bn, d], gl.NVMMASharedLayout.get_default_for([bn, d], gl.int8))
-    vt_desc = TensorDescriptor.from_tensor(vt2, [d, bn],
-                                           gl.NVMMASharedLayout.get_default_for([d, bn], gl.float8e4nv))
-    grid = (sq_pad // bm, bsz * hq)
-    _sage2_fp8_fwd[grid](
-        q_desc, k_desc, vt_desc, staged.q_scale, staged.k_scale, staged.v_scale, out,
-        out.stride(0), out.stride(1), out.stride(2),
-        hq, hkv, staged.seq_q, staged.seq_kv, sq_pad, skv_pad, sq_pad // bm, skv_pad // bn,
-        BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, STAGES=stages or stages0,
-        TWO_LEVEL=two0 if two_level is None else two_level, num_warps=num_warps or warps0)
+    q_desc, k_desc, vt_desc = _descriptors(staged, bm)
+    common = (q_desc, k_desc, vt_desc, staged.q_scale, staged.k_scale, staged.v_scale, out,
+              out.stride(0), out.stride(1), out.stride(2),
+              hq, hkv, staged.seq_q, staged.seq_kv, sq_pad, skv_pad, sq_pad // bm, skv_pad // bn)
+    if schedule == "pingpong":
+        grid = ((sq_pad + 127) // 128, bsz * hq)
+        _sage2_fp8_fwd_ws[grid](*common, BLOCK_N=bn, HEAD_DIM=d, STAGES=stages, num_warps=4, maxnreg=168)
+    else:
+        grid = (sq_pad // bm, bsz * hq)
+        _sage2_fp8_fwd[grid](*common, BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, STAGES=stages, TWO_LEVEL=two_level,
+                             num_warps=8)
     return out
