@@ -1,7 +1,5 @@
 """On a CUDA device: sdpa_dense binds on tiny hosts in bf16, routes, and detach restores bit-exactly."""
 
-import re
-
 import pytest
 import torch
 
@@ -72,10 +70,7 @@ def test_cuda_sage2_forms_bind_when_named(form):
     plan = attach(model, (x,), attention_forms=[form], min_speedup=0)
     site = plan.site("0#0")
     assert site.outcome == "bound" and site.form == form, str(plan)
-    if form == "sage2_fp8" and torch.cuda.get_device_capability() == (9, 0):  # both kernels timed, faster kept
-        assert re.search(r"(gluon|triton) kernel \(gluon [\d.]+ ms, triton [\d.]+ ms\)", site.shapes[0].reason)
-    else:
-        assert "triton kernel" in site.shapes[0].reason, site.shapes[0].reason
+    assert "triton kernel" in site.shapes[0].reason, site.shapes[0].reason
     with torch.no_grad():
         attached = model(x)
     cos = torch.nn.functional.cosine_similarity(attached.float().flatten(), reference.float().flatten(), dim=0)

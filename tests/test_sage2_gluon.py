@@ -28,11 +28,9 @@ def test_gluon_matches_the_triton_kernel_on_the_same_staging(schedule, b, hq, hk
     v = torch.randn(b, hkv, skv, d, device="cuda", dtype=torch.bfloat16, generator=g)
     clones = [t.clone() for t in (q, k, v)]
     bm, bn = staging_tiles(schedule)
-    staged = quantize_qkv(q, k, v, pv="fp8", block_m=bm, block_n=bn,
-                          v_order="wgmma" if schedule == "pingpong" else "natural")
+    staged = quantize_qkv(q, k, v, pv="fp8", block_m=bm, block_n=bn)
     out = sage2_gluon_staged(staged, out_dtype=q.dtype, schedule=schedule)
-    plain = quantize_qkv(q, k, v, pv="fp8", block_m=bm, block_n=bn)
-    same = sage2_attention_staged(plain, out_dtype=torch.float32, num_warps=4 if bm == 64 else 8)
+    same = sage2_attention_staged(staged, out_dtype=torch.float32, num_warps=4 if bm == 64 else 8)
     assert out.shape == (b, hq, sq, d) and out.dtype == q.dtype
     assert all(torch.equal(t, c) for t, c in zip((q, k, v), clones))
     assert _rel_l2(out, same) <= 4e-3  # same quantised operands: bf16 output rounding and e4m3 ties only
@@ -46,12 +44,9 @@ def test_gluon_refuses_mismatched_staging():
     from flash_catalog.kernels.sage2_gluon import sage2_gluon_staged
 
     q = torch.randn(1, 2, 256, 128, device="cuda", dtype=torch.bfloat16)
-    staged = quantize_qkv(q, q, q, pv="fp8", block_m=128, block_n=64, v_order="wgmma")
+    staged = quantize_qkv(q, q, q, pv="fp8", block_m=128, block_n=64)
     with pytest.raises(ValueError, match=r"schedule 'pingpong' needs staging tiles \(64, 128\); got \(128, 64\)"):
         sage2_gluon_staged(staged, out_dtype=q.dtype)
-    natural = quantize_qkv(q, q, q, pv="fp8", block_m=64, block_n=128)
-    with pytest.raises(ValueError, match="reads V\\^T in 'wgmma' token order"):
-        sage2_gluon_staged(natural, out_dtype=q.dtype)
     fp16 = quantize_qkv(q, q, q, pv="fp16", block_m=64, block_n=128)
     with pytest.raises(ValueError, match="pv='fp8'"):
         sage2_gluon_staged(fp16, out_dtype=q.dtype)

@@ -9,8 +9,8 @@ import torch
 if not torch.cuda.is_available():  # must precede any triton import: @triton.jit picks the interpreter at decoration
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from flash_catalog.kernels.sage2_attention import (default_config, quantize_qkv, sage2_attention,  # noqa: E402
-                                                   sage2_attention_staged)
+from flash_catalog.kernels.sage2_attention import (choose_kernel, quantize_qkv,  # noqa: E402
+                                                   sage2_attention, sage2_attention_staged, staging_tiles_for)
 from flash_catalog.kernels.sage2_reference import exact_attention, reference_quantize, sage2_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -38,15 +38,17 @@ def _rel_l2(a, b):
 def _check(q, k, v, *, pv, is_causal=False, block_m=None, block_n=None, scale=None):
     """Run the kernel; assert accuracy vs exact, agreement with the emulation, inputs untouched. Returns the output."""
     clones = [t.clone() for t in (q, k, v)]
-    out = sage2_attention(q, k, v, pv=pv, is_causal=is_causal, block_m=block_m, block_n=block_n, scale=scale)
+    # the Triton kernel, which the emulation models step by step (the Gluon kernels: tests/test_sage2_gluon.py)
+    out = sage2_attention(q, k, v, pv=pv, is_causal=is_causal, block_m=block_m, block_n=block_n, scale=scale,
+                          kernel="triton")
     for t, c in zip((q, k, v), clones):
         assert torch.equal(t, c), "an input was modified"
     assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
     exact = exact_attention(q, k, v, scale=scale, is_causal=is_causal)
     assert _cos(out, exact) >= COS_MIN[pv], _cos(out, exact)
     assert _rel_l2(out, exact) <= REL_L2_MAX[pv], _rel_l2(out, exact)
-    cfg = default_config(q.shape[-1], pv)
-    bm, bn = block_m or cfg["block_m"], block_n or cfg["block_n"]
+    bm, bn = staging_tiles_for(q, pv, "triton")
+    bm, bn = block_m or bm, block_n or bn
     emulated = sage2_reference(q, k, v, scale=scale, pv=pv, is_causal=is_causal, block_m=bm, block_n=bn)
     # Same quantisation bit for bit; then fp32 vs fp64 rounding, which now and then tips P onto the neighbouring
     # fp16/fp8 value. So: the output dtype's rounding noise overall, and nearly every element within one ulp.
@@ -199,28 +201,8 @@ def test_gpu_b1_h4_s1000_d128(pv, is_causal):
     assert _cos(out, sdpa) >= COS_MIN[pv]
 
 
-def test_wgmma_v_order_permutes_tokens_inside_32_token_chunks():
-    q, k, v = _inputs(sq=40, skv=70, d=64)
-    natural = quantize_qkv(q, k, v, pv="fp8", block_m=64, block_n=128)
-    permuted = quantize_qkv(q, k, v, pv="fp8", block_m=64, block_n=128, v_order="wgmma")
-    assert natural.v_order == "natural" and permuted.v_order == "wgmma"
-    t = torch.arange(natural.v.shape[-1])
-    s = t % 32
-    column = t - s + (s & 16) + ((s >> 1) & 3) * 4 + ((s >> 3) & 1) * 2 + (s & 1)  # token t lands here
-    assert sorted(column.tolist()) == t.tolist()  # a permutation
-    assert torch.equal(permuted.v[..., column].view(torch.uint8), natural.v.view(torch.uint8))
-    for name in ("q8", "k8", "q_scale", "k_scale", "v_scale"):
-        assert torch.equal(getattr(permuted, name), getattr(natural, name))
-    with pytest.raises(ValueError, match=r"the Triton kernel reads V\^T in natural token order"):
-        sage2_attention_staged(permuted, out_dtype=torch.float32)
-    with pytest.raises(ValueError, match="v_order is 'tiled'; allowed: natural, wgmma"):
-        quantize_qkv(q, k, v, pv="fp8", v_order="tiled")
-    with pytest.raises(ValueError, match="v_order='wgmma' needs pv='fp8'"):
-        quantize_qkv(q, k, v, pv="fp16", v_order="wgmma")
-
-
 def test_kernel_choice_names_why_the_gluon_kernel_does_not_serve():
-    from flash_catalog.kernels.sage2_attention import choose_kernel, gluon_refusal
+    from flash_catalog.kernels.sage2_attention import gluon_refusal
 
     q = torch.zeros(1, 2, 8, 128, device=DEVICE, dtype=torch.bfloat16)
     assert gluon_refusal(q, "fp16", False) == "pv='fp16' (it serves 'fp8')"
@@ -229,9 +211,11 @@ def test_kernel_choice_names_why_the_gluon_kernel_does_not_serve():
     assert choose_kernel(q, "fp8", False, "triton") == "triton"
     with pytest.raises(ValueError, match="kernel is 'cuda'; allowed: auto, triton, gluon"):
         choose_kernel(q, "fp8", False, "cuda")
+    assert choose_kernel(q, "fp8", False) == "triton"  # auto: the Triton kernel (see choose_kernel)
+    with pytest.raises(ValueError, match=r"kernel='gluon' cannot serve this call: is_causal"):
+        sage2_attention(q, q, q, kernel="gluon", is_causal=True)
     if DEVICE == "cpu":
         assert gluon_refusal(q, "fp8", False) == "device cpu (it needs sm_90)"
-        assert choose_kernel(q, "fp8", False) == "triton"
         with pytest.raises(ValueError, match=r"kernel='gluon' cannot serve this call: device cpu"):
             sage2_attention(q, q, q, kernel="gluon")
     with pytest.raises(ValueError, match="are the Triton kernel's"):

@@ -7,27 +7,15 @@ import functools
 import torch
 
 from ..calls import AttentionCall
-from ..gate import median_seconds
 from ..kernels.sage2_attention import choose_kernel, staging_keys
 from ..kernels.sage2_op import sage2_attention_op
 from ..masks import ALL_PASS
 from .base import AttentionForm, Runner
 
 
-def _run(pv: str, staging: str, kernel: str, call: AttentionCall) -> torch.Tensor:
+def _run(pv: str, staging: str, call: AttentionCall) -> torch.Tensor:
     # an all-pass mask is dropped: the envelope admits only none and all_pass
-    return sage2_attention_op(call.query, call.key, call.value, call.scale, pv, call.is_causal, staging, kernel)
-
-
-def _pick_kernel(call: AttentionCall, pv: str) -> tuple[str, str]:
-    """Where the Gluon kernel can serve the shape, time it against the Triton kernel and keep the faster."""
-    kernel = choose_kernel(call.query, pv, call.is_causal)
-    if kernel != "gluon":
-        return kernel, ""
-    ms = {name: 1e3 * median_seconds(functools.partial(_run, pv, "", name, call), call.query.device, samples=3)
-          for name in ("gluon", "triton")}
-    best = min(ms, key=ms.get)
-    return best, f" (gluon {ms['gluon']:.3f} ms, triton {ms['triton']:.3f} ms)"
+    return sage2_attention_op(call.query, call.key, call.value, call.scale, pv, call.is_causal, staging)
 
 
 class _Sage2(AttentionForm):
@@ -41,15 +29,15 @@ class _Sage2(AttentionForm):
         return None
 
     def build(self, call: AttentionCall) -> Runner:
-        kernel, timed = _pick_kernel(call, self.pv)
-        detail = (f"INT8 QK, {self.pv.upper()} PV, {kernel} kernel{timed}"
+        kernel = choose_kernel(call.query, self.pv, call.is_causal)
+        detail = (f"INT8 QK, {self.pv.upper()} PV, {kernel} kernel"
                   + (", mask dropped" if call.mask_kind == ALL_PASS else ""))
         pool = self.staging
         if pool is None:
-            return Runner(functools.partial(_run, self.pv, "", kernel), detail)
+            return Runner(functools.partial(_run, self.pv, ""), detail)
         # the runner names its pool by handle (the op takes no objects) and lists the buffers it draws
-        return Runner(functools.partial(_run, self.pv, pool.handle, kernel), detail,
-                      staging=staging_keys(call.query, call.key, self.pv, call.is_causal, kernel))
+        return Runner(functools.partial(_run, self.pv, pool.handle), detail,
+                      staging=staging_keys(call.query, call.key, self.pv, call.is_causal))
 
 
 class Sage2Fp8(_Sage2):

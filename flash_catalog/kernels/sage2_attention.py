@@ -45,32 +45,33 @@ def gluon_refusal(q: torch.Tensor, pv: str, is_causal: bool) -> str | None:
 
 
 def choose_kernel(q: torch.Tensor, pv: str, is_causal: bool, kernel: str = "auto") -> str:
-    """"gluon" (the Hopper ping-pong kernel: measured fastest for fp8, non-causal, D128 on the H200) or "triton"."""
+    """"triton" or "gluon". "auto" is the Triton kernel: on the H200 the Gluon ping-pong kernel measured only
+    2% faster (BENCHMARKS.md) and its CUDA-graph and torch.compile path was not verified on a GPU, so it runs
+    only when asked for by name, and only where `gluon_refusal` finds nothing against it."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel is {kernel!r}; allowed: {', '.join(KERNELS)}")
-    if kernel == "triton":
+    if kernel != "gluon":
         return "triton"
     why = gluon_refusal(q, pv, is_causal)
-    if kernel == "gluon" and why is not None:
+    if why is not None:
         raise ValueError(f"kernel='gluon' cannot serve this call: {why}; use kernel='triton' or 'auto'")
-    return "gluon" if why is None else "triton"
+    return "gluon"
 
 
-def _tiles(q: torch.Tensor, pv: str, kernel: str) -> tuple[int, int, str]:
-    """(block_m, block_n, v_order) of the staging for the chosen kernel."""
+def staging_tiles_for(q: torch.Tensor, pv: str, kernel: str) -> tuple[int, int]:
+    """(block_m, block_n) of the staging for the chosen kernel ("gluon" or "triton")."""
     if kernel == "gluon":
         from .sage2_gluon import staging_tiles
-        bm, bn = staging_tiles("pingpong")
-        return bm, bn, "wgmma"
+        return staging_tiles("pingpong")
     cfg = default_config(q.shape[-1], pv)
-    return cfg["block_m"], cfg["block_n"], "natural"
+    return cfg["block_m"], cfg["block_n"]
 
 
 def staging_keys(q: torch.Tensor, k: torch.Tensor, pv: str = "fp8", is_causal: bool = False,
                  kernel: str = "auto") -> tuple[StagingKey, ...]:
     """The pool keys a `sage2_attention(q, k, v, pv=pv, is_causal=is_causal, staging=pool, kernel=kernel)`
     call draws."""
-    bm, bn, _ = _tiles(q, pv, choose_kernel(q, pv, is_causal, kernel))
+    bm, bn = staging_tiles_for(q, pv, choose_kernel(q, pv, is_causal, kernel))
     layout = staging_layout(q.shape, k.shape, pv=pv, block_m=bm, block_n=bn)
     return tuple(StagingKey(name, shape, dtype, q.device, pv) for name, (shape, dtype) in layout.items())
 
@@ -221,9 +222,6 @@ def sage2_attention_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, is_ca
                            num_warps: int | None = None, num_stages: int | None = None,
                            out: torch.Tensor | None = None) -> torch.Tensor:
     """Run the attention kernel on already quantised operands (see `quantize_qkv`); returns (B, Hq, Sq, D)."""
-    if staged.v_order != "natural":
-        raise ValueError(f"the Triton kernel reads V^T in natural token order; got staging with "
-                         f"v_order={staged.v_order!r} (that order is for sage2_gluon's ping-pong kernel)")
     bsz, hq, sq_pad, d = staged.q8.shape
     hkv, skv_pad = staged.k8.shape[1], staged.k8.shape[2]
     sq, skv = staged.seq_q, staged.seq_kv
@@ -259,9 +257,9 @@ def sage2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     after K smoothing either way. is_causal is top-left aligned, like torch SDPA. Forward only (no autograd).
     The caller's tensors are never modified; the output is a new contiguous tensor in q's dtype. With `staging`,
     the quantised operands live in the pool's buffers (see `staging_keys`) instead of fresh memory; the output
-    never does, and nothing of the pool is returned or kept. `kernel="auto"` runs the Hopper Gluon kernel where
-    it serves the call (fp8, non-causal, D128, sm_90) and the Triton kernel elsewhere; explicit tiles
-    (block_m, block_n, num_warps, num_stages) are the Triton kernel's."""
+    never does, and nothing of the pool is returned or kept. `kernel="gluon"` runs the Hopper Gluon ping-pong
+    kernel (fp8, non-causal, D128, sm_90); "auto" and "triton" run the Triton kernel, whose tiles are block_m,
+    block_n, num_warps and num_stages."""
     validate_inputs(q, k, v, pv=pv, scale=scale)
     if not isinstance(is_causal, bool):
         raise ValueError(f"is_causal is {is_causal!r}; allowed: True, False")
@@ -274,14 +272,14 @@ def sage2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
                          "leave them unset with kernel='gluon'")
     chosen = choose_kernel(q, pv, is_causal, "triton" if tiles_given else kernel)
     d = q.shape[-1]
-    bm, bn, v_order = _tiles(q, pv, chosen)
+    bm, bn = staging_tiles_for(q, pv, chosen)
     bm = block_m if block_m is not None else bm
     bn = block_n if block_n is not None else bn
     sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
     if q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0:
         return torch.empty((q.shape[0], q.shape[1], q.shape[2], d), dtype=q.dtype, device=q.device)
     staged = quantize_qkv(q, k, v, sm_scale=sm_scale, pv=pv, block_m=bm, block_n=bn, validate=False,
-                          staging=staging, v_order=v_order)
+                          staging=staging)
     if chosen == "gluon":
         from .sage2_gluon import sage2_gluon_staged
         return sage2_gluon_staged(staged, out_dtype=q.dtype, schedule="pingpong")

@@ -135,7 +135,7 @@ def _sage2_fp8_fwd(q_desc, k_desc, vt_desc, QS, KS, VS, Out,
 
 @gluon.jit
 def _softmax_block(qk, m_i, l_i, c, j, SEQ_KV, BLOCK_N: gl.constexpr, s_layout: gl.constexpr,
-                   p_layout: gl.constexpr, PERMUTED: gl.constexpr):
+                   p_layout: gl.constexpr):
     """Online softmax of one key block in the log2 domain; P leaves as e4m3 (scaled by 448) in the A layout."""
     if (j + 1) * BLOCK_N > SEQ_KV:  # the partial last block: padded keys must not take softmax mass
         cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -149,14 +149,6 @@ def _softmax_block(qk, m_i, l_i, c, j, SEQ_KV, BLOCK_N: gl.constexpr, s_layout: 
     alpha = gl.exp2(m_i - m_new)
     l_new = l_i * alpha + gl.sum(p, axis=1)
     p8 = p.to(gl.float8e4nv)
-    if PERMUTED:
-        # Key order inside each 32-key chunk as the staged V^T has it (v_order="wgmma"): column
-        # 16a + 8b + 2q + e of the score accumulator becomes MMA k index 16a + 4q + 2b + e, so every thread
-        # already holds the four consecutive k values of its A-operand registers (no shuffles).
-        rows: gl.constexpr = p8.type.shape[0]
-        p8 = gl.reshape(p8, [rows, BLOCK_N // 32, 2, 2, 4, 2])
-        p8 = gl.permute(p8, [0, 1, 2, 4, 3, 5])
-        p8 = gl.reshape(p8, [rows, BLOCK_N])
     return gl.convert_layout(p8, p_layout), m_new, l_new, alpha
 
 
@@ -170,7 +162,6 @@ def _ws_consume(args, wg: gl.constexpr):
     BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
     HEAD_DIM: gl.constexpr = k_bufs.type.shape[2]
     ROWS: gl.constexpr = q_smem.type.shape[1]
-    PERMUTED: gl.constexpr = True  # the ping-pong schedule reads V^T staged in wgmma key order
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 32])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -202,7 +193,7 @@ def _ws_consume(args, wg: gl.constexpr):
     mbarrier.arrive(turn.index(other), count=1)
     qk = warpgroup_mma_wait(num_outstanding=0, deps=(tok,))
     p8, m_i, l_i, alpha = _softmax_block(qk, m_i, l_i, q_scale * gl.load(ks_base), 0, SEQ_KV, BLOCK_N,
-                                         s_layout, p_layout, PERMUTED)
+                                         s_layout, p_layout)
     for j in range(1, n_blocks):
         slot = j % STAGES
         prev = (j - 1) % STAGES
@@ -213,7 +204,7 @@ def _ws_consume(args, wg: gl.constexpr):
         mbarrier.arrive(turn.index(other), count=1)
         c = q_scale * gl.load(ks_base + j)
         qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk_tok,))
-        p8, m_i, l_i, alpha = _softmax_block(qk, m_i, l_i, c, j, SEQ_KV, BLOCK_N, s_layout, p_layout, PERMUTED)
+        p8, m_i, l_i, alpha = _softmax_block(qk, m_i, l_i, c, j, SEQ_KV, BLOCK_N, s_layout, p_layout)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(pv_tok,))
         mbarrier.arrive(empty.index(prev), count=1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
@@ -320,7 +311,7 @@ def staging_tiles(schedule: str = "pingpong") -> tuple[int, int]:
 
 
 def sage2_gluon_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, schedule: str = "pingpong",
-                       stages: int = 3, two_level: bool = False) -> torch.Tensor:
+                       stages: int | None = None, two_level: bool = False) -> torch.Tensor:
     """Run a Gluon kernel on `quantize_qkv(..., pv="fp8")` staging; returns (B, Hq, Sq, D) in out_dtype.
 
     schedule="pingpong": two consumer warpgroups of 64 rows whose MMAs alternate, and a TMA loader warp
@@ -330,10 +321,6 @@ def sage2_gluon_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, schedule:
         raise ValueError(f"the Gluon kernels serve pv='fp8' staging; got pv={staged.pv!r}")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule is {schedule!r}; allowed: {', '.join(SCHEDULES)}")
-    order = "wgmma" if schedule == "pingpong" else "natural"
-    if staged.v_order != order:
-        raise ValueError(f"schedule {schedule!r} reads V^T in {order!r} token order; got staging with "
-                         f"v_order={staged.v_order!r}: quantize_qkv(..., v_order={order!r})")
     if (staged.block_m, staged.block_n) != staging_tiles(schedule):
         raise ValueError(f"schedule {schedule!r} needs staging tiles {staging_tiles(schedule)}; got "
                          f"({staged.block_m}, {staged.block_n})")
@@ -343,6 +330,8 @@ def sage2_gluon_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, schedule:
     out = torch.empty((bsz, hq, staged.seq_q, d), dtype=out_dtype, device=staged.q8.device)
     if out.numel() == 0:
         return out
+    if stages is None:  # H200 sweep at S=24576 (BENCHMARKS.md): 4 for ping-pong, 3 for single
+        stages = 4 if schedule == "pingpong" else 3
     q_desc, k_desc, vt_desc = _descriptors(staged, bm)
     common = (q_desc, k_desc, vt_desc, staged.q_scale, staged.k_scale, staged.v_scale, out,
               out.stride(0), out.stride(1), out.stride(2),

@@ -1,10 +1,10 @@
 """`torch.ops.flash_catalog.sage2_attention`: the sage2 kernels as a torch custom op, so torch.compile traces
 through it (a fake implementation gives the output's shape) and CUDA graphs can capture it.
 
-`kernel` is "auto", "triton" or "gluon" (see `choose_kernel`). `staging` names a `StagingPool` by its handle
-("" for none): the quantised operands then live in that pool's buffers, which persist between calls (a captured
-graph replays into the same addresses). The output is always a fresh tensor, so the op stays functional: no
-argument is mutated and nothing returned aliases the pool."""
+The op runs the Triton kernel (`choose_kernel`'s "auto"; the Gluon kernel is reached through `sage2_attention`
+only). `staging` names a `StagingPool` by its handle ("" for none): the quantised operands then live in that pool's buffers, which
+persist between calls (a captured graph replays into the same addresses). The output is always a fresh tensor, so
+the op stays functional: no argument is mutated and nothing returned aliases the pool."""
 
 from __future__ import annotations
 
@@ -16,12 +16,11 @@ from .staging import pool_for
 
 @torch.library.custom_op("flash_catalog::sage2_attention", mutates_args=())
 def sage2_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, pv: str,
-                       is_causal: bool, staging: str = "", kernel: str = "auto") -> torch.Tensor:
-    return sage2_attention(q, k, v, scale=scale, pv=pv, is_causal=is_causal, staging=pool_for(staging),
-                           kernel=kernel)
+                       is_causal: bool, staging: str = "") -> torch.Tensor:
+    return sage2_attention(q, k, v, scale=scale, pv=pv, is_causal=is_causal, staging=pool_for(staging))
 
 
 @sage2_attention_op.register_fake
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, pv: str,
-      is_causal: bool, staging: str = "", kernel: str = "auto") -> torch.Tensor:
+      is_causal: bool, staging: str = "") -> torch.Tensor:
     return q.new_empty(q.shape[:-1] + (v.shape[-1],))

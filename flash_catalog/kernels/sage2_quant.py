@@ -18,7 +18,6 @@ LOG2E = 1.0 / math.log(2.0)
 PV_MODES = ("fp8", "fp16")
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
-V_ORDERS = ("natural", "wgmma")
 STATS_CHUNK = 1024  # tokens per program in the K-mean / V-amax pass
 STATS_SUB = 64      # tokens per inner step of that pass
 
@@ -137,7 +136,6 @@ class Sage2Staged:
     block_n: int
     seq_q: int
     seq_kv: int
-    v_order: str = "natural"  # "wgmma": V^T tokens permuted inside 32-token chunks (see _quant_v_fp8_kernel)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -276,12 +274,8 @@ def _quant_int8_kernel(X, MEAN, XQ, XS,
 def _quant_v_fp8_kernel(V, VINV, VT8,
                         stride_vb, stride_vh, stride_vs, stride_vd,
                         H_KV, SEQ_KV, SEQ_PAD,
-                        BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr, INTERPRETED: tl.constexpr,
-                        WGMMA_ORDER: tl.constexpr):
-    """One block of BLOCK_T tokens of one (batch, kv head): per-channel FP8 e4m3, stored transposed as V^T[d, t].
-
-    WGMMA_ORDER: inside each 32-token chunk, token 16a + 8b + 2q + e is stored at column 16a + 4q + 2b + e, the
-    order in which a warpgroup MMA consumes P straight from its score registers (see sage2_gluon)."""
+                        BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr, INTERPRETED: tl.constexpr):
+    """One block of BLOCK_T tokens of one (batch, kv head): per-channel FP8 e4m3, stored transposed as V^T[d, t]."""
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H_KV
@@ -297,11 +291,7 @@ def _quant_v_fp8_kernel(V, VINV, VT8,
     if INTERPRETED:  # make the fp8 cast exact: the interpreter's own fp32->e4m3 rounding is wrong
         y = round_to_e4m3(y)
     yt = tl.trans(y.to(tl.float8e4nv))                                     # [HEAD_DIM, BLOCK_T]
-    cols = rows
-    if WGMMA_ORDER:
-        t = rows % 32
-        cols = rows - t + (t & 16) + ((t >> 1) & 3) * 4 + ((t >> 3) & 1) * 2 + (t & 1)
-    out = VT8 + pid_bh.to(tl.int64) * HEAD_DIM * SEQ_PAD + offs_d[:, None] * SEQ_PAD + cols[None, :]
+    out = VT8 + pid_bh.to(tl.int64) * HEAD_DIM * SEQ_PAD + offs_d[:, None] * SEQ_PAD + rows[None, :]
     tl.store(out, yt)
 
 
@@ -315,20 +305,14 @@ def _cdiv(a: int, b: int) -> int:
 
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
                  pv: str = "fp8", block_m: int = 128, block_n: int = 64, num_warps: int | None = None,
-                 validate: bool = True, staging: StagingPool | None = None, v_order: str = "natural") -> Sage2Staged:
+                 validate: bool = True, staging: StagingPool | None = None) -> Sage2Staged:
     """Stage q, k, v for the SageAttention2 kernel: Q is read once, K and V twice (a stats pass, then quantise).
 
     The caller's tensors are only read. `block_m`/`block_n` must match the attention kernel's tiles: the
     Q and K scales are per tile. With `staging`, the buffers (see `staging_layout`) are the pool's, keyed by
-    variant `pv`: the result is valid only until the pool's next use, so consume it and drop it.
-    `v_order="wgmma"` stores V^T's tokens in the order the Gluon ping-pong kernel consumes them."""
+    variant `pv`: the result is valid only until the pool's next use, so consume it and drop it."""
     if validate:
         validate_inputs(q, k, v, pv=pv, scale=sm_scale)
-    if v_order not in V_ORDERS:
-        raise ValueError(f"v_order is {v_order!r}; allowed: {', '.join(V_ORDERS)}")
-    if v_order == "wgmma" and (pv != "fp8" or block_n % 32):
-        raise ValueError(f"v_order='wgmma' needs pv='fp8' and block_n a multiple of 32; got pv={pv!r}, "
-                         f"block_n={block_n}")
     for name, blk in (("block_m", block_m), ("block_n", block_n)):
         if not (isinstance(blk, int) and _is_pow2(blk) and 16 <= blk <= 256):
             raise ValueError(f"{name} is {blk!r}; allowed: a power of two in [16, 256]")
@@ -378,9 +362,9 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale:
         vt8 = buf["vt8"]
         _quant_v_fp8_kernel[(n_kb, bsz * hkv)](
             v, v_inv, vt8, *v.stride(), hkv, skv, skv_pad,
-            BLOCK_T=block_n, HEAD_DIM=d, INTERPRETED=exact, WGMMA_ORDER=v_order == "wgmma", num_warps=warps)
+            BLOCK_T=block_n, HEAD_DIM=d, INTERPRETED=exact, num_warps=warps)
         v_out, v_scale_out = vt8, v_scale
     else:
         v_out, v_scale_out = v, None
     return Sage2Staged(q8=q8, q_scale=q_scale, k8=k8, k_scale=k_scale, v=v_out, v_scale=v_scale_out, pv=pv,
-                       block_m=block_m, block_n=block_n, seq_q=sq, seq_kv=skv, v_order=v_order)
+                       block_m=block_m, block_n=block_n, seq_q=sq, seq_kv=skv)
