@@ -1,4 +1,4 @@
-"""The Hopper Gluon sage2 kernels against the Triton kernel on the same staging and an fp64 reference (GPU)."""
+"""The Hopper Gluon sage2 kernel against the Triton kernel on the same staging and an fp64 reference (GPU)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,9 @@ def _rel_l2(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-@pytest.mark.parametrize("schedule", ["pingpong", "single"])
 @pytest.mark.parametrize("b,hq,hkv,sq,skv,d", [(1, 4, 4, 1000, 777, 128), (2, 6, 2, 333, 1500, 64),
                                                (1, 2, 1, 64, 129, 128), (1, 2, 2, 4096, 4096, 128)])
-def test_gluon_matches_the_triton_kernel_on_the_same_staging(schedule, b, hq, hkv, sq, skv, d):
+def test_gluon_matches_the_triton_kernel_on_the_same_staging(b, hq, hkv, sq, skv, d):
     from flash_catalog.kernels.sage2_attention import quantize_qkv, sage2_attention_staged
     from flash_catalog.kernels.sage2_gluon import sage2_gluon_staged, staging_tiles
     from flash_catalog.kernels.sage2_reference import exact_attention
@@ -27,10 +26,10 @@ def test_gluon_matches_the_triton_kernel_on_the_same_staging(schedule, b, hq, hk
     k = torch.randn(b, hkv, skv, d, device="cuda", dtype=torch.bfloat16, generator=g)
     v = torch.randn(b, hkv, skv, d, device="cuda", dtype=torch.bfloat16, generator=g)
     clones = [t.clone() for t in (q, k, v)]
-    bm, bn = staging_tiles(schedule)
+    bm, bn = staging_tiles()
     staged = quantize_qkv(q, k, v, pv="fp8", block_m=bm, block_n=bn)
-    out = sage2_gluon_staged(staged, out_dtype=q.dtype, schedule=schedule)
-    same = sage2_attention_staged(staged, out_dtype=torch.float32, num_warps=4 if bm == 64 else 8)
+    out = sage2_gluon_staged(staged, out_dtype=q.dtype)
+    same = sage2_attention_staged(staged, out_dtype=torch.float32, num_warps=4)
     assert out.shape == (b, hq, sq, d) and out.dtype == q.dtype
     assert all(torch.equal(t, c) for t, c in zip((q, k, v), clones))
     assert _rel_l2(out, same) <= 4e-3  # same quantised operands: bf16 output rounding and e4m3 ties only
@@ -45,8 +44,8 @@ def test_gluon_refuses_mismatched_staging():
 
     q = torch.randn(1, 2, 256, 128, device="cuda", dtype=torch.bfloat16)
     staged = quantize_qkv(q, q, q, pv="fp8", block_m=128, block_n=64)
-    with pytest.raises(ValueError, match=r"schedule 'pingpong' needs staging tiles \(64, 128\); got \(128, 64\)"):
+    with pytest.raises(ValueError, match=r"the Gluon kernel needs staging tiles \(64, 128\); got \(128, 64\)"):
         sage2_gluon_staged(staged, out_dtype=q.dtype)
     fp16 = quantize_qkv(q, q, q, pv="fp16", block_m=64, block_n=128)
-    with pytest.raises(ValueError, match="pv='fp8'"):
+    with pytest.raises(ValueError, match="serves pv='fp8' staging; got pv='fp16'"):
         sage2_gluon_staged(fp16, out_dtype=q.dtype)

@@ -39,8 +39,8 @@ SWEEP = {
     64: [(128, 64, 8, 4), (128, 64, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3)],
 }
 
-# Gluon variants: (schedule, stages, two_level)
-GLUON_SWEEP = [("pingpong", 3, False), ("pingpong", 4, False), ("pingpong", 2, False), ("single", 3, False)]
+# Gluon ping-pong kernel: K / V^T stages in flight; the first is the default
+GLUON_STAGES = [4, 3, 2]
 
 
 def parse_shapes(text: str) -> list[tuple[int, int, int, int]]:
@@ -66,34 +66,31 @@ def bench(fn, warmup: int, rep: int) -> float:
 
 
 def gluon_rows(q, k, v, host_fn, host_ms, row, warmup: int, rep: int, sweep: bool) -> list[dict]:
-    """The Hopper Gluon kernels (pv=fp8, non-causal): full path (quantisation included) and kernel alone;
-    rel_l2_vs_triton compares with the Triton kernel on the same staging (same algorithm, other schedule)."""
+    """The Hopper Gluon ping-pong kernel (pv=fp8, non-causal): full path (quantisation included) and kernel
+    alone; rel_l2_vs_triton compares with the Triton kernel on the same staging (same algorithm)."""
     from flash_catalog.kernels.sage2_attention import sage2_attention_staged
     from flash_catalog.kernels.sage2_gluon import sage2_gluon_staged, staging_tiles
+    bm, bn = staging_tiles()
     rows = []
-    for schedule, st, two in (GLUON_SWEEP if sweep else GLUON_SWEEP[:1]):
-        bm, bn = staging_tiles(schedule)
-        cfg = {"block_m": bm, "block_n": bn, "num_warps": 9 if schedule == "pingpong" else 8, "num_stages": st,
-               "two_level": two, "schedule": schedule}
+    for st in (GLUON_STAGES if sweep else GLUON_STAGES[:1]):
+        cfg = {"block_m": bm, "block_n": bn, "num_warps": 9, "num_stages": st}
         try:
             staged = quantize_qkv(q, k, v, pv="fp8", block_m=bm, block_n=bn)
-            out = sage2_gluon_staged(staged, out_dtype=q.dtype, schedule=schedule, stages=st, two_level=two)
-            same = sage2_attention_staged(staged, out_dtype=torch.float32, num_warps=4 if bm == 64 else 8)
+            out = sage2_gluon_staged(staged, out_dtype=q.dtype, stages=st)
+            same = sage2_attention_staged(staged, out_dtype=torch.float32, num_warps=4)
             agree = accuracy(out, same)["rel_l2"]
             del same
-            fn = lambda: sage2_gluon_staged(  # noqa: E731
-                quantize_qkv(q, k, v, pv="fp8", block_m=bm, block_n=bn),
-                out_dtype=q.dtype, schedule=schedule, stages=st, two_level=two)
+            fn = lambda: sage2_gluon_staged(quantize_qkv(q, k, v, pv="fp8", block_m=bm, block_n=bn),  # noqa: E731
+                                            out_dtype=q.dtype, stages=st)
             ms = bench(fn, warmup, rep)
             gate_ratio = paired_speedup(host_fn, fn, q.device).speedup
-            kernel_ms = bench(lambda: sage2_gluon_staged(staged, out_dtype=q.dtype, schedule=schedule, stages=st,
-                                                         two_level=two), warmup, rep)
-            r = row(f"gluon {schedule}", ms, out, config=cfg, kernel_ms=kernel_ms, quant_ms=ms - kernel_ms,
+            kernel_ms = bench(lambda: sage2_gluon_staged(staged, out_dtype=q.dtype, stages=st), warmup, rep)
+            r = row("gluon fp8", ms, out, config=cfg, kernel_ms=kernel_ms, quant_ms=ms - kernel_ms,
                     quant_share=(ms - kernel_ms) / ms, ratio_vs_host=host_ms / ms, rel_l2_vs_triton=agree,
                     gate_ratio=gate_ratio)
             del out, staged
         except Exception as exc:
-            r = row(f"gluon {schedule}", float("nan"), None, config=cfg, error=f"{type(exc).__name__}: {exc}"[:300])
+            r = row("gluon fp8", float("nan"), None, config=cfg, error=f"{type(exc).__name__}: {exc}"[:300])
         rows.append(r)
         torch.cuda.empty_cache()
     return rows
@@ -156,7 +153,7 @@ def run_shape(shape, *, causal: bool, sweep: bool, warmup: int, rep: int, gluon:
         if gluon and not causal:
             rows += gluon_rows(q, k, v, host_fn, host_ms, row, warmup, rep, sweep)
     if sweep:  # mark the fastest config per implementation
-        for impl in ("sage2 fp8", "sage2 fp16", "gluon pingpong", "gluon single"):
+        for impl in ("sage2 fp8", "sage2 fp16", "gluon fp8"):
             ok = [r for r in rows if r["impl"] == impl and "error" not in r]
             if ok:
                 min(ok, key=lambda r: r["ms"])["best"] = True
@@ -177,8 +174,6 @@ def print_table(rows: list[dict]) -> None:
     for r in rows:
         c = r.get("config")
         cfg = f"{c['block_m']},{c['block_n']},{c['num_warps']},{c['num_stages']}" if c else ""
-        if c and c.get("two_level"):
-            cfg += ",2L"
         if "rel_l2_vs_triton" in r:
             cfg += f" ~{r['rel_l2_vs_triton']:.0e}"
         if r.get("best"):
@@ -197,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", type=parse_shapes, default=DEFAULT_SHAPES, help="BxHxSxD,... (default: the five)")
     ap.add_argument("--sweep", action="store_true", help="time several tile configs per shape, mark the best")
     ap.add_argument("--causal", action="store_true", help="causal attention (top-left), half the flops")
-    ap.add_argument("--gluon", action="store_true", help="also the Hopper Gluon kernels (fp8, non-causal, sm_90)")
+    ap.add_argument("--gluon", action="store_true", help="also the Hopper Gluon kernel (fp8, non-causal, sm_90)")
     ap.add_argument("--no-triton", action="store_true", help="skip the Triton-language kernels")
     ap.add_argument("--gate", action="store_true",
                     help="also time sage2 fp8 (kernel auto) against the host with the catalog's paired gate timer")

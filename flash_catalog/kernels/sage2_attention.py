@@ -62,7 +62,7 @@ def staging_tiles_for(q: torch.Tensor, pv: str, kernel: str) -> tuple[int, int]:
     """(block_m, block_n) of the staging for the chosen kernel ("gluon" or "triton")."""
     if kernel == "gluon":
         from .sage2_gluon import staging_tiles
-        return staging_tiles("pingpong")
+        return staging_tiles()
     cfg = default_config(q.shape[-1], pv)
     return cfg["block_m"], cfg["block_n"]
 
@@ -282,6 +282,6 @@ def sage2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
                           staging=staging)
     if chosen == "gluon":
         from .sage2_gluon import sage2_gluon_staged
-        return sage2_gluon_staged(staged, out_dtype=q.dtype, schedule="pingpong")
+        return sage2_gluon_staged(staged, out_dtype=q.dtype)
     return sage2_attention_staged(staged, out_dtype=q.dtype, is_causal=is_causal, num_warps=num_warps,
                                   num_stages=num_stages)

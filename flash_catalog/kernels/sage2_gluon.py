@@ -1,9 +1,10 @@
 """sage2 attention for Hopper in Gluon: the same algorithm as `sage2_attention`, scheduled by hand.
 
-What the plain Triton kernel cannot express: a TMA ring of K / V^T tiles completing on mbarriers, and the INT8
-Q.K^T of block j+1 issued as an asynchronous warpgroup MMA before the softmax of block j, so the tensor cores
-work while the other units compute exp2. Non-causal, pv="fp8", D 64 or 128, sm_90 only. It reads the staging
-of `quantize_qkv` (block_m = BLOCK_M, block_n = BLOCK_N) and is checked against the Triton kernel on the GPU.
+What the plain Triton kernel cannot express: warp specialisation (a TMA loader warp feeding a ring of K / V^T
+tiles through mbarriers) and two consumer warpgroups whose asynchronous warpgroup MMAs alternate (FA3's
+ping-pong), each issuing the INT8 Q.K^T of block j with the FP8 P.V of block j-1 and then computing the softmax
+of block j while the P.V runs. Non-causal, pv="fp8", sm_90. It reads `quantize_qkv` staging with 64x128 tiles
+and is checked against the Triton kernel on the GPU (tests/test_sage2_gluon.py).
 """
 
 from __future__ import annotations
@@ -22,116 +23,6 @@ from .sage2_quant import Sage2Staged
 LOG2_P_SCALE = gl.constexpr(math.log2(448.0))   # P leaves exp2 already scaled by 448 (cancels in acc / l)
 MAGIC_INT = gl.constexpr(0x4B400000)            # int -> float without I2F: bits of i + 0x4B400000 = 1.5*2^23 + i
 MAGIC_FLOAT = gl.constexpr(12582912.0)
-
-@gluon.jit
-def _issue_kv(k_desc, vt_desc, k_bufs, v_bufs, ready, block, kv_row0, vt_row0,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, pred):
-    """TMA both tiles of key block `block` into its ring slot; blocks past the end read zeros (TMA bounds)."""
-    slot = block % STAGES
-    bar = ready.index(slot)
-    mbarrier.expect(bar, k_desc.block_type.nbytes + vt_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(k_desc, [kv_row0 + block * BLOCK_N, 0], bar, k_bufs.index(slot), pred=pred)
-    tma.async_copy_global_to_shared(vt_desc, [vt_row0, block * BLOCK_N], bar, v_bufs.index(slot), pred=pred)
-
-
-@gluon.jit
-def _sage2_fp8_fwd(q_desc, k_desc, vt_desc, QS, KS, VS, Out,
-                   stride_ob, stride_oh, stride_os,
-                   H_Q, H_KV, SEQ_Q, SEQ_KV, SEQ_Q_PAD, SEQ_KV_PAD, N_QB, N_KB,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                   STAGES: gl.constexpr, TWO_LEVEL: gl.constexpr, num_warps: gl.constexpr):
-    pid_m = gl.program_id(0)
-    pid_bh = gl.program_id(1)
-    b = pid_bh // H_Q
-    h = pid_bh % H_Q
-    bhk = b * H_KV + h // (H_Q // H_KV)
-    q_row0 = pid_bh * SEQ_Q_PAD + pid_m * BLOCK_M
-    kv_row0 = bhk * SEQ_KV_PAD
-    vt_row0 = bhk * HEAD_DIM
-
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_N, 32])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, HEAD_DIM, 32])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
-
-    q_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_M, HEAD_DIM], q_desc.layout)
-    k_bufs = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_DIM, BLOCK_N], vt_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-    mbarrier.init(q_bar, count=1)
-    fence_async_shared()
-
-    n_blocks = gl.cdiv(SEQ_KV, BLOCK_N)
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [q_row0, 0], q_bar, q_smem)
-    # Blocks 0..n_blocks are loaded: the loop issues Q.K^T one block ahead, so block n_blocks (zeros) is read too.
-    for i in gl.static_range(STAGES):
-        _issue_kv(k_desc, vt_desc, k_bufs, v_bufs, ready, i, kv_row0, vt_row0, BLOCK_N, STAGES, i <= n_blocks)
-
-    q_scale = gl.load(QS + pid_bh * N_QB + pid_m)
-    ks_base = KS + bhk * N_KB
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
-    l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
-    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.int32, s_layout)
-
-    mbarrier.wait(q_bar, 0)
-    mbarrier.wait(ready.index(0), 0)
-    tok = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    qk = warpgroup_mma_wait(num_outstanding=0, deps=(tok,))
-
-    for j in range(n_blocks):
-        nxt = j + 1
-        mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1)
-        next_tok = warpgroup_mma(q_smem, k_bufs.index(nxt % STAGES).permute((1, 0)), zero_s, use_acc=False,
-                                 is_async=True)
-        c = q_scale * gl.load(ks_base + j)
-        if (j + 1) * BLOCK_N > SEQ_KV:  # the partial last block: padded keys must not take softmax mass
-            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
-            sf = gl.where(gl.expand_dims(cols < SEQ_KV, 0), qk.to(gl.float32) * c, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(sf, axis=1))
-            p = gl.exp2(sf - gl.expand_dims(m_new - LOG2_P_SCALE, 1))
-        else:
-            m_new = gl.maximum(m_i, gl.max(qk, axis=1).to(gl.float32) * c)
-            f = (qk + MAGIC_INT).to(gl.float32, bitcast=True) - MAGIC_FLOAT
-            p = gl.exp2(f * c - gl.expand_dims(m_new - LOG2_P_SCALE, 1))
-        alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
-        p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
-        slot = j % STAGES
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-        if TWO_LEVEL:  # a fresh fp32 product per block, added on the CUDA cores
-            pv_tok = warpgroup_mma(p8, v_bufs.index(slot).permute((1, 0)), gl.zeros_like(acc), use_acc=False,
-                                   is_async=True)
-            qk, pv = warpgroup_mma_wait(num_outstanding=0, deps=(next_tok, pv_tok))
-            acc = acc + pv
-        else:
-            pv_tok = warpgroup_mma(p8, v_bufs.index(slot).permute((1, 0)), acc, is_async=True)
-            qk, acc = warpgroup_mma_wait(num_outstanding=0, deps=(next_tok, pv_tok))
-        _issue_kv(k_desc, vt_desc, k_bufs, v_bufs, ready, j + STAGES, kv_row0, vt_row0, BLOCK_N, STAGES,
-                  j + STAGES <= n_blocks)
-
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(i))
-    mbarrier.invalidate(q_bar)
-
-    offs_d = gl.arange(0, HEAD_DIM, layout=col_o)
-    v_scale = gl.load(VS + bhk * HEAD_DIM + offs_d)
-    out = acc * gl.expand_dims(v_scale, 0) / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
-    offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_o)
-    ptrs = (Out + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
-            + gl.expand_dims(offs_m.to(gl.int64) * stride_os, 1) + gl.expand_dims(offs_d, 0))
-    gl.store(ptrs, out.to(Out.dtype.element_ty), mask=gl.expand_dims(offs_m < SEQ_Q, 1))
-
 
 @gluon.jit
 def _softmax_block(qk, m_i, l_i, c, j, SEQ_KV, BLOCK_N: gl.constexpr, s_layout: gl.constexpr,
@@ -302,27 +193,19 @@ def _descriptors(staged: Sage2Staged, q_rows: int) -> tuple[TensorDescriptor, Te
             TensorDescriptor.from_tensor(vt2, [d, bn], layout([d, bn], gl.float8e4nv)))
 
 
-SCHEDULES = ("pingpong", "single")
+def staging_tiles() -> tuple[int, int]:
+    """(block_m, block_n) the staging must use: per-tile Q scales follow a consumer warpgroup's 64 rows."""
+    return 64, 128
 
 
-def staging_tiles(schedule: str = "pingpong") -> tuple[int, int]:
-    """(block_m, block_n) the staging must use for a schedule: per-tile Q scales follow the consumer's rows."""
-    return (64, 128) if schedule == "pingpong" else (128, 128)
-
-
-def sage2_gluon_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, schedule: str = "pingpong",
-                       stages: int | None = None, two_level: bool = False) -> torch.Tensor:
-    """Run a Gluon kernel on `quantize_qkv(..., pv="fp8")` staging; returns (B, Hq, Sq, D) in out_dtype.
-
-    schedule="pingpong": two consumer warpgroups of 64 rows whose MMAs alternate, and a TMA loader warp
-    (staging block_m 64); "single": one 8-warp partition that issues the next Q.K^T before each softmax
-    (staging block_m 128). `two_level` (single only) adds each block's P.V on the CUDA cores."""
+def sage2_gluon_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, stages: int = 4) -> torch.Tensor:
+    """Run the ping-pong kernel on `quantize_qkv(..., pv="fp8", block_m=64, block_n=128)` staging; returns
+    (B, Hq, Sq, D) in out_dtype. Two consumer warpgroups of 64 query rows alternate their MMAs; a loader warp
+    keeps `stages` K / V^T tiles in flight (4 measured best on the H200, BENCHMARKS.md)."""
     if staged.pv != "fp8":
-        raise ValueError(f"the Gluon kernels serve pv='fp8' staging; got pv={staged.pv!r}")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule is {schedule!r}; allowed: {', '.join(SCHEDULES)}")
-    if (staged.block_m, staged.block_n) != staging_tiles(schedule):
-        raise ValueError(f"schedule {schedule!r} needs staging tiles {staging_tiles(schedule)}; got "
+        raise ValueError(f"the Gluon kernel serves pv='fp8' staging; got pv={staged.pv!r}")
+    if (staged.block_m, staged.block_n) != staging_tiles():
+        raise ValueError(f"the Gluon kernel needs staging tiles {staging_tiles()}; got "
                          f"({staged.block_m}, {staged.block_n})")
     bsz, hq, sq_pad, d = staged.q8.shape
     hkv, skv_pad = staged.k8.shape[1], staged.k8.shape[2]
@@ -330,17 +213,10 @@ def sage2_gluon_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, schedule:
     out = torch.empty((bsz, hq, staged.seq_q, d), dtype=out_dtype, device=staged.q8.device)
     if out.numel() == 0:
         return out
-    if stages is None:  # H200 sweep at S=24576 (BENCHMARKS.md): 4 for ping-pong, 3 for single
-        stages = 4 if schedule == "pingpong" else 3
     q_desc, k_desc, vt_desc = _descriptors(staged, bm)
-    common = (q_desc, k_desc, vt_desc, staged.q_scale, staged.k_scale, staged.v_scale, out,
-              out.stride(0), out.stride(1), out.stride(2),
-              hq, hkv, staged.seq_q, staged.seq_kv, sq_pad, skv_pad, sq_pad // bm, skv_pad // bn)
-    if schedule == "pingpong":
-        grid = ((sq_pad + 127) // 128, bsz * hq)
-        _sage2_fp8_fwd_ws[grid](*common, BLOCK_N=bn, HEAD_DIM=d, STAGES=stages, num_warps=4, maxnreg=168)
-    else:
-        grid = (sq_pad // bm, bsz * hq)
-        _sage2_fp8_fwd[grid](*common, BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, STAGES=stages, TWO_LEVEL=two_level,
-                             num_warps=8)
+    grid = ((sq_pad + 127) // 128, bsz * hq)
+    _sage2_fp8_fwd_ws[grid](q_desc, k_desc, vt_desc, staged.q_scale, staged.k_scale, staged.v_scale, out,
+                            out.stride(0), out.stride(1), out.stride(2),
+                            hq, hkv, staged.seq_q, staged.seq_kv, sq_pad, skv_pad, sq_pad // bm, skv_pad // bn,
+                            BLOCK_N=bn, HEAD_DIM=d, STAGES=stages, num_warps=4, maxnreg=168)
     return out
