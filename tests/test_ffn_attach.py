@@ -40,6 +40,26 @@ def test_fp8_rowwise_binds_named_ffn_sites_and_detaches_exactly():
     assert all(torch.equal(a, r) for a, r in zip(run(host.model, inputs), reference))
 
 
+def test_a_cosine_floor_of_0_999_binds_the_up_only_form_where_full_w8a8_falls_short():
+    host = build("ltx2", dtype=torch.bfloat16)
+    inputs = host.inputs()
+    reference = run(host.model, inputs)
+    plan = attach(host.model, inputs, attention_forms=[], ffn_forms=["fp8_rowwise", "fp8_rowwise_up"],
+                  min_speedup=0, min_cosine=0.999)
+    ff = plan.site("transformer_blocks.0.ff")
+    assert ff.outcome == "bound" and ff.form == "fp8_rowwise_up", str(plan)
+    shape = ff.shapes[0]
+    assert shape.trail[0].startswith("fp8_rowwise: accuracy cos=0.99"), shape.trail
+    assert "below floor cos>=0.999" in shape.trail[0]
+    assert shape.cosine >= 0.999
+    assert ff.memory["form_bytes"] < ff.memory["host_bytes"]  # e4m3 up projection, host-dtype down projection
+    attached = run(host.model, inputs)
+    for a, r in zip(attached, reference):
+        assert torch.nn.functional.cosine_similarity(a.float().flatten(), r.float().flatten(), dim=0) > 0.999
+    detach(plan)
+    assert all(torch.equal(a, r) for a, r in zip(run(host.model, inputs), reference))
+
+
 def test_ffn_guard_runs_the_host_at_a_new_shape():
     host = build("ltx", dtype=torch.bfloat16)
     plan = attach(host.model, host.inputs(), attention_forms=[], ffn_forms=["fp8_rowwise"], min_speedup=0)
@@ -60,10 +80,11 @@ def test_profiles_select_forms_and_explicit_lists_outrank_them():
     assert plan.options["ffn_forms"] == [] and plan.options["attention_forms"] == ["sdpa_dense"]
     assert all(s.kind == "attention" for s in plan.sites)
     detach(plan)
-    with pytest.raises(ValueError, match=r"unknown profile 'fast'; known: fp8_balance, fp8_balance_proj, "
+    with pytest.raises(ValueError, match=r"unknown profile 'fast'; known: fp8_accurate, fp8_balance, fp8_balance_proj, "
                                          r"fp8_balance_sage, nvfp4_balance_sage"):
         attach(host.model, host.inputs(), profile="fast")
-    with pytest.raises(ValueError, match=r"unknown vision_ffn form\(s\) 'int3'; known: fp8_rowwise, nvfp4_w4a4"):
+    with pytest.raises(ValueError, match=r"unknown vision_ffn form\(s\) 'int3'; known: fp8_rowwise, fp8_rowwise_up, "
+                                         r"nvfp4_w4a4"):
         attach(host.model, host.inputs(), ffn_forms=["int3"])
 
 

@@ -17,7 +17,8 @@ diffusers_attention = pytest.importorskip("diffusers.models.attention")
 FeedForward = diffusers_attention.FeedForward
 
 from flash_catalog.catalog import Catalog, build_form, specs_dir  # noqa: E402
-from flash_catalog.forms.fp8_rowwise import ACTIVATIONS, Fp8RowwiseFfn, QuantizedFeedForward  # noqa: E402
+from flash_catalog.forms.fp8_rowwise import (ACTIVATIONS, Fp8RowwiseFfn, Fp8UpFfn,  # noqa: E402
+                                             QuantizedFeedForward, QuantizedUpFeedForward)
 from flash_catalog.forms.nvfp4_w4a4 import NvFp4FeedForward, NvFp4Ffn  # noqa: E402
 from flash_catalog.kernels import fp8_rowwise as fp8  # noqa: E402
 from flash_catalog.kernels import nvfp4  # noqa: E402
@@ -399,13 +400,42 @@ def test_nvfp4_refuses_without_emulation_on_cpu():
 def test_specs_load_and_build():
     catalog = Catalog.load()
     names = [s.name for s in catalog.family("vision_ffn")]
-    assert names == ["fp8_rowwise", "nvfp4_w4a4"]
+    assert names == ["fp8_rowwise", "fp8_rowwise_up", "nvfp4_w4a4"]
     s8, s4 = spec("fp8_rowwise"), spec("nvfp4_w4a4")
     assert (s8.family, s8.precision, s8.envelope.min_capability) == ("vision_ffn", "fp8", (8, 9))
     assert s8.envelope.devices == ("cpu", "cuda") and "bfloat16" in s8.envelope.dtypes
     assert (s4.family, s4.precision, s4.envelope.min_capability) == ("vision_ffn", "fp4", None)
     assert s8.latency.min_speedup == s4.latency.min_speedup == 1.02
     assert isinstance(build_form(s8), Fp8RowwiseFfn) and isinstance(build_form(s4), NvFp4Ffn)
+
+
+@pytest.mark.parametrize("activation", HOST_ACTIVATIONS)
+def test_up_form_quantizes_only_the_up_projection(activation):
+    ff = host(activation, dim=128, inner=512)
+    x = torch.randn(3, 40, 128)
+    with torch.no_grad():
+        ref = ff(x)
+        up = Fp8UpFfn(spec("fp8_rowwise_up")).build(ff)
+        both = fp8_form().build(ff)
+        y_up, y_both = up(x), both(x)
+    assert isinstance(up, QuantizedUpFeedForward) and y_up.dtype == x.dtype
+    proj_out = ff.net[2]
+    assert up.w2.dtype == proj_out.weight.dtype and torch.equal(up.w2, proj_out.weight)
+    assert up.w2.untyped_storage().data_ptr() != proj_out.weight.untyped_storage().data_ptr()  # the form's copy
+    assert up.w1_fp8.dtype == torch.float8_e4m3fn
+    c_up, c_both = cos(y_up, ref), cos(y_both, ref)
+    # gated activations multiply two outputs of the quantized GEMM: below the 0.999 floor (the gate refuses them)
+    floor = 0.998 if activation.startswith(("geglu", "swiglu")) else spec("fp8_rowwise_up").accuracy.min_cosine
+    assert c_up >= floor, c_up
+    assert c_up > c_both  # two quantized operands instead of four
+    assert rel(y_up, ref) <= spec("fp8_rowwise_up").accuracy.max_rel_err
+
+
+def test_up_form_serves_feedforward_sites_only():
+    form = Fp8UpFfn(spec("fp8_rowwise_up"))
+    assert form.rule(nn.Linear(64, 64), torch.randn(2, 64)) == \
+        "serves FeedForward sites only (a projection quantized alone is fp8_rowwise)"
+    assert form.rule(host(), torch.randn(2, 5, 64)) is None
 
 
 # --------------------------------------------------------------------------------------------------------------------

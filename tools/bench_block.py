@@ -28,6 +28,7 @@ SELECTIONS = {
     "fp8_balance": {"profile": "fp8_balance"},
     "fp8_balance_proj": {"profile": "fp8_balance_proj"},
     "fp8_balance_sage": {"profile": "fp8_balance_sage"},
+    "fp8_accurate": {"profile": "fp8_accurate"},
 }
 
 

@@ -5,7 +5,8 @@ M in {256, 4096, 24576} rows (input (1, M, 4096)). For each M: the host module a
 quantisation included; also its unfused variant, GELU-tanh in torch then quantisation), medians from
 `triton.testing.do_bench(..., return_mode="median")` (and, for GPU time alone, `do_bench_cudagraph`),
 the speedup, cosine and max relative error
-(max|y - ref| / max|ref|) of both against an fp32 run of the host math; each GEMM alone, FP8 `_scaled_mm` vs bf16
+(max|y - ref| / max|ref|) of both against an fp32 run of the host math; the `fp8_rowwise_up` module (FP8 up
+projection only) likewise; each GEMM alone, FP8 `_scaled_mm` vs bf16
 cuBLAS (`F.linear`, both with bias); and the time share of the row-quantisation kernels in the FP8 module.
 
     python tools/bench_ffn.py [--json bench_ffn.json] [--rows 256 4096 24576]
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flash_catalog.catalog import specs_dir  # noqa: E402
-from flash_catalog.forms.fp8_rowwise import Fp8RowwiseFfn  # noqa: E402
+from flash_catalog.forms.fp8_rowwise import Fp8RowwiseFfn, Fp8UpFfn  # noqa: E402
 from flash_catalog.kernels.fp8_rowwise import fp8_matmul, quantize_rows_fp8, quantize_weight_fp8  # noqa: E402
 from flash_catalog.specs import load_spec  # noqa: E402
 
@@ -67,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     built = form.build(host)
     unfused = form.build(host)
     unfused.fuse_activation = False
+    up_only = Fp8UpFfn(load_spec(specs_dir() / "vision_ffn" / "fp8_rowwise_up.toml")).build(host)
     w1, b1 = host.net[0].proj.weight, host.net[0].proj.bias
     w2, b2 = host.net[2].weight, host.net[2].bias
     w1q, w1s = quantize_weight_fp8(w1)
@@ -91,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
             t_host = bench(lambda: host(x))
             t_fp8 = bench(lambda: built(x))
             t_unf = bench(lambda: unfused(x))
+            y_up = up_only(x)
+            up_cos, up_rel = errors(y_up, ref)
+            t_up = bench(lambda: up_only(x))
             t_host_graph = bench_graph(lambda: host(x))   # GPU time alone, launch overhead replayed away
             t_fp8_graph = bench_graph(lambda: built(x))
 
@@ -109,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             row = {
                 "rows": m, "host_ms": t_host, "fp8_ms": t_fp8, "speedup": t_host / t_fp8,
                 "fp8_unfused_ms": t_unf, "speedup_unfused": t_host / t_unf,
+                "up_only_ms": t_up, "up_only_speedup": t_host / t_up, "up_only_vs_fp32_cos": up_cos,
+                "up_only_vs_fp32_max_rel_err": up_rel,
                 "host_graph_ms": t_host_graph, "fp8_graph_ms": t_fp8_graph, "speedup_graph": t_host_graph / t_fp8_graph,
                 "host_vs_fp32_cos": host_cos, "host_vs_fp32_max_rel_err": host_rel,
                 "fp8_vs_fp32_cos": fp8_cos, "fp8_vs_fp32_max_rel_err": fp8_rel,
@@ -123,13 +130,13 @@ def main(argv: list[str] | None = None) -> int:
                 "quant_h_gbps": m * INNER * (2 + 1) / t_quant_h / 1e6,
             }
             rows.append(row)
-            del x, ref, y_host, y_fp8, y_unf, h, xq, xs, hq, hs
+            del x, ref, y_host, y_fp8, y_unf, y_up, h, xq, xs, hq, hs
             torch.cuda.empty_cache()
 
     print(f"{'M':>6} | {'host ms':>8} {'fp8 ms':>8} {'speedup':>7} {'unfused':>7} {'graphed':>7} | "
           f"{'cos/fp32 host':>13} "
           f"{'fp8':>8} {'rel host':>8} {'fp8':>7} | {'G1 bf16':>7} {'G1 fp8':>7} {'G2 bf16':>7} {'G2 fp8':>7} "
-          f"{'TF/s fp8':>8} | {'qx ms':>6} {'qh ms':>6} {'share':>6}")
+          f"{'TF/s fp8':>8} | {'qx ms':>6} {'qh ms':>6} {'share':>6} | {'up ms':>7} {'up x':>6} {'up cos':>8}")
     for r in rows:
         print(f"{r['rows']:>6} | {r['host_ms']:8.3f} {r['fp8_ms']:8.3f} {r['speedup']:7.3f} "
               f"{r['speedup_unfused']:7.3f} {r['speedup_graph']:7.3f} | {r['host_vs_fp32_cos']:13.6f} "
@@ -137,10 +144,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['host_vs_fp32_max_rel_err']:8.4f} {r['fp8_vs_fp32_max_rel_err']:7.4f} | "
               f"{r['gemm1_bf16_ms']:7.3f} {r['gemm1_fp8_ms']:7.3f} {r['gemm2_bf16_ms']:7.3f} {r['gemm2_fp8_ms']:7.3f} "
               f"{r['gemm1_fp8_tflops']:8.0f} | {r['quant_x_ms']:6.3f} {r['quant_h_gelu_ms']:6.3f} "
-              f"{100 * r['quant_share']:5.1f}%")
+              f"{100 * r['quant_share']:5.1f}% | {r['up_only_ms']:7.3f} {r['up_only_speedup']:6.3f} "
+              f"{r['up_only_vs_fp32_cos']:8.5f}")
     print("speedup = host / fp8 module (fused GELU-tanh + row quant); unfused = GELU in torch, then row quant; "
           "graphed = the same speedup with both replayed from CUDA graphs (GPU time, no launch overhead); "
-          "G1/G2 = each GEMM alone with bias (bf16 F.linear vs FP8 _scaled_mm rowwise); share = (qx + qh) / fp8 ms")
+          "G1/G2 = each GEMM alone with bias (bf16 F.linear vs FP8 _scaled_mm rowwise); share = (qx + qh) / fp8 ms; "
+          "up = the fp8_rowwise_up module (FP8 up projection, bf16 down projection)")
     if args.json:
         args.json.write_text(json.dumps({"info": info, "rows": rows}, indent=2))
         print(f"wrote {args.json}")
