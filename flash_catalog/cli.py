@@ -142,10 +142,11 @@ def _describe(spec: Spec) -> str:
     e = spec.envelope
     cap = f" sm>={e.min_capability[0]}{e.min_capability[1]}" if e.min_capability else ""
     heads = f" head_dims={list(e.head_dims)}" if e.head_dims else ""
+    calls = f" masks={list(e.masks)} causal={e.causal} gqa={e.gqa}" if spec.family == "attention_core" else ""
     lines = [
         f"{spec.name}  [{spec.family}, {spec.precision}]  {spec.description}",
-        f"    devices={list(e.devices)}{cap} dtypes={list(e.dtypes)}{heads} masks={list(e.masks)} "
-        f"causal={e.causal} gqa={e.gqa}" + (f" requires={list(e.requires)}" if e.requires else ""),
+        f"    devices={list(e.devices)}{cap} dtypes={list(e.dtypes)}{heads}{calls}"
+        + (f" requires={list(e.requires)}" if e.requires else ""),
         f"    accuracy: cos>={spec.accuracy.min_cosine} err<={spec.accuracy.max_rel_err}; "
         f"speed: >={spec.latency.min_speedup}x {'per shape' if spec.latency.per_shape else 'per site'}",
     ]

@@ -27,6 +27,8 @@ def test_specs_list_and_check(capsys, tmp_path):
     assert main(["specs", "list"]) == 0
     out = capsys.readouterr().out
     assert "sdpa_dense  [attention_core, native]" in out and "masks=['none', 'all_pass']" in out
+    ffn = out.split("fp8_rowwise  [vision_ffn, fp8]")[1].split("\n")[1]  # the envelope line of an FFN spec
+    assert "devices=['cpu', 'cuda']" in ffn and "masks=" not in ffn and "causal=" not in ffn
     assert main(["specs", "check"]) == 0
     assert "0 bad" in capsys.readouterr().out
 
