@@ -187,6 +187,15 @@ class QuantizedModule(nn.Module):
         if x.dtype != self.dtype:
             raise ValueError(f"input dtype {x.dtype} differs from this module's {self.dtype}; no implicit cast")
 
+    def hold(self, dtype: torch.dtype, activation: str | None, **buffers: torch.Tensor) -> None:
+        """Record the module's dtype and activation (checked against ACTIVATIONS) and register its buffers."""
+        if activation is not None and activation not in ACTIVATIONS:
+            raise ValueError(f"activation is {activation!r}; allowed: {', '.join(ACTIVATIONS)}")
+        self.activation = activation
+        self.dtype = dtype
+        for name, t in buffers.items():
+            self.register_buffer(name, t)
+
 
 class QuantizedFeedForward(QuantizedModule):
     """FP8 rowwise W8A8 FeedForward: holds only its own quantized weights, scales and biases."""
@@ -194,14 +203,8 @@ class QuantizedFeedForward(QuantizedModule):
     def __init__(self, activation: str, dtype: torch.dtype, w1: torch.Tensor, s1: torch.Tensor, b1: torch.Tensor,
                  w2: torch.Tensor, s2: torch.Tensor, b2: torch.Tensor, fuse_activation: bool = True) -> None:
         super().__init__()
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"activation is {activation!r}; allowed: {', '.join(ACTIVATIONS)}")
-        self.activation = activation
-        self.dtype = dtype
+        self.hold(dtype, activation, w1_fp8=w1, w1_scale=s1, b1=b1, w2_fp8=w2, w2_scale=s2, b2=b2)
         self.fuse_activation = fuse_activation
-        for name, t in (("w1_fp8", w1), ("w1_scale", s1), ("b1", b1), ("w2_fp8", w2), ("w2_scale", s2),
-                        ("b2", b2)):
-            self.register_buffer(name, t)
 
     def extra_repr(self) -> str:
         n1, k1 = self.w1_fp8.shape
@@ -228,12 +231,7 @@ class QuantizedUpFeedForward(QuantizedModule):
     def __init__(self, activation: str, dtype: torch.dtype, w1: torch.Tensor, s1: torch.Tensor, b1: torch.Tensor,
                  w2: torch.Tensor, b2: torch.Tensor) -> None:
         super().__init__()
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"activation is {activation!r}; allowed: {', '.join(ACTIVATIONS)}")
-        self.activation = activation
-        self.dtype = dtype
-        for name, t in (("w1_fp8", w1), ("w1_scale", s1), ("b1", b1), ("w2", w2), ("b2", b2)):
-            self.register_buffer(name, t)
+        self.hold(dtype, activation, w1_fp8=w1, w1_scale=s1, b1=b1, w2=w2, b2=b2)
 
     def extra_repr(self) -> str:
         n1, k1 = self.w1_fp8.shape
@@ -253,9 +251,7 @@ class QuantizedLinear(QuantizedModule):
 
     def __init__(self, dtype: torch.dtype, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor) -> None:
         super().__init__()
-        self.dtype = dtype
-        for name, t in (("w_fp8", w), ("w_scale", scale), ("bias", bias)):
-            self.register_buffer(name, t)
+        self.hold(dtype, None, w_fp8=w, w_scale=scale, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.check_input(x)

@@ -12,7 +12,7 @@ from torch import nn
 
 from ..kernels.nvfp4 import NvFp4Tensor, nvfp4_linear, quantize_nvfp4
 from .ffn_base import FfnForm
-from .fp8_rowwise import ACTIVATIONS, QuantizedModule, adopt_layout, copied_bias, ffn_rule, host_activation
+from .fp8_rowwise import QuantizedModule, adopt_layout, copied_bias, ffn_rule, host_activation
 
 NATIVE_CAPABILITY = (10, 0)
 _PARTS = ("codes", "block_scale", "global_scale")
@@ -24,17 +24,10 @@ class NvFp4FeedForward(QuantizedModule):
     def __init__(self, activation: str, dtype: torch.dtype, w1: NvFp4Tensor, b1: torch.Tensor, w2: NvFp4Tensor,
                  b2: torch.Tensor) -> None:
         super().__init__()
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"activation is {activation!r}; allowed: {', '.join(ACTIVATIONS)}")
-        self.activation = activation
-        self.dtype = dtype
+        parts = {f"{prefix}_{part}": t for prefix, q in (("w1", w1), ("w2", w2)) for part, t in q.tensors().items()}
+        self.hold(dtype, activation, **parts, b1=b1, b2=b2)
         self.emulate = True
         self._shapes = {"w1": w1.shape, "w2": w2.shape}
-        for prefix, q in (("w1", w1), ("w2", w2)):
-            for part, t in q.tensors().items():
-                self.register_buffer(f"{prefix}_{part}", t)
-        self.register_buffer("b1", b1)
-        self.register_buffer("b2", b2)
 
     def weight(self, prefix: str) -> NvFp4Tensor:
         """The NvFp4Tensor view of this module's buffers (follows `.to(device)`)."""
