@@ -9,8 +9,6 @@ and is checked against the Triton kernel on the GPU (tests/test_sage2_gluon.py).
 
 from __future__ import annotations
 
-import math
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -18,11 +16,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+# The Triton kernel's constants (the same constexpr type): P scaled by 448 in exp2, int -> float without I2F.
+from .sage2_attention import LOG2_P_SCALE, MAGIC_FLOAT, MAGIC_INT
 from .sage2_quant import Sage2Staged
 
-LOG2_P_SCALE = gl.constexpr(math.log2(448.0))   # P leaves exp2 already scaled by 448 (cancels in acc / l)
-MAGIC_INT = gl.constexpr(0x4B400000)            # int -> float without I2F: bits of i + 0x4B400000 = 1.5*2^23 + i
-MAGIC_FLOAT = gl.constexpr(12582912.0)
 
 @gluon.jit
 def _softmax_block(qk, m_i, l_i, c, j, SEQ_KV, BLOCK_N: gl.constexpr, s_layout: gl.constexpr,
