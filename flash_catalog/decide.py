@@ -20,7 +20,7 @@ class GateOptions:
     min_speedup: float | None = None  # None: each spec's own
     min_cosine: float | None = None
     max_rel_err: float | None = None
-    rounds: int | None = None  # None: 15 on CUDA, 7 on CPU
+    rounds: int | None = None  # None: 9 on CUDA (settled blocks, gate.SETTLE_S), 7 on CPU
 
     def floor(self, spec: Spec) -> AccuracyFloor:
         return AccuracyFloor(
@@ -32,7 +32,7 @@ class GateOptions:
         return self.min_speedup if self.min_speedup is not None else spec.latency.min_speedup
 
     def rounds_for(self, device: torch.device) -> int:
-        return self.rounds if self.rounds is not None else (15 if device.type == "cuda" else 7)
+        return self.rounds if self.rounds is not None else (9 if device.type == "cuda" else 7)
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -52,32 +53,60 @@ class Timing:
     rounds: int
 
 
+# A GPU's clock follows its power draw with a lag of tens of milliseconds. Timed right after the other side, a call
+# runs at the clock that side's load left behind: on the H200, cuDNN SDPA draws 700 W and settles at ~1650 MHz
+# where sage2 stays at 1980 MHz and 650 W, so alternating single calls measured sage2 at 0.86x while each side's
+# own steady state gives 1.07x (notes/gate_timing.md). Each timed block is therefore preceded by an untimed run
+# of the same callable lasting about SETTLE_S.
+SETTLE_S = {"cuda": 0.1, "cpu": 0.0}
+
+
 def paired_speedup(host: Callable[[], object], form: Callable[[], object], device: torch.device,
-                   rounds: int = 15, warmup: int = 2, min_round_s: float = 2e-3) -> Timing:
+                   rounds: int = 15, warmup: int = 2, min_round_s: float = 2e-3,
+                   settle_s: float | None = None) -> Timing:
     """Alternate host and form timings round by round; the ratio is the median of per-round ratios.
 
     Each timed sample repeats the call enough times to last about `min_round_s`, so short calls are not
-    measured as launch noise. CUDA events on GPU, `time.perf_counter` on CPU.
+    measured as launch noise, and follows an untimed run of the same call lasting about `settle_s` (None:
+    `SETTLE_S` for the device type), so each side is timed in its own steady clock and power state. CUDA
+    events on GPU, `time.perf_counter` on CPU.
     """
     timer = _cuda_timer if device.type == "cuda" else _cpu_timer
+    settle_s = SETTLE_S.get(device.type, 0.0) if settle_s is None else settle_s
+    if settle_s < 0:
+        raise ValueError(f"settle_s={settle_s}; expected seconds >= 0")
     for _ in range(warmup):
         host()
         form()
-    reps = max(1, int(min_round_s / max(min(timer(host, 1), timer(form, 1)), 1e-7)))
-    reps = min(reps, 1000)
+    host_once, form_once = timer(host, 1), timer(form, 1)
+    reps = min(max(1, int(min_round_s / max(min(host_once, form_once), 1e-7))), 1000)
+    host_settle, form_settle = settle_calls(settle_s, host_once), settle_calls(settle_s, form_once)
+
+    def sample(fn: Callable[[], object], settle: int) -> float:
+        for _ in range(settle):
+            fn()
+        return timer(fn, reps)
+
     ratios, host_t, form_t = [], [], []
     for r in range(rounds):
         if r % 2 == 0:
-            h = timer(host, reps)
-            f = timer(form, reps)
+            h = sample(host, host_settle)
+            f = sample(form, form_settle)
         else:
-            f = timer(form, reps)
-            h = timer(host, reps)
+            f = sample(form, form_settle)
+            h = sample(host, host_settle)
         ratios.append(h / max(f, 1e-12))
         host_t.append(h)
         form_t.append(f)
     return Timing(statistics.median(ratios), statistics.median(host_t) * 1e3,
                   statistics.median(form_t) * 1e3, rounds)
+
+
+def settle_calls(settle_s: float, call_s: float, limit: int = 10_000) -> int:
+    """Untimed calls that fill about `settle_s` at `call_s` per call (0 when settle_s is 0)."""
+    if settle_s <= 0:
+        return 0
+    return min(limit, max(1, math.ceil(settle_s / max(call_s, 1e-7))))
 
 
 def _cpu_timer(fn: Callable[[], object], reps: int) -> float:
