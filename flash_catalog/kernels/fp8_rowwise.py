@@ -26,9 +26,13 @@ import os
 
 import torch
 
+from .activation import ACT_CODE, ROUND_CODE, apply_activation
+
 try:  # the torch path below serves every case when triton is absent
     import triton
     import triton.language as tl
+
+    from .activation import activate
 except ImportError:  # pragma: no cover - triton ships with CUDA builds of torch
     triton = None
     tl = None
@@ -38,8 +42,6 @@ FP8_MAX = 448.0
 AMAX_FLOOR = 1e-30     # an all-zero row or channel gets this amax, so 448 / amax stays finite
 MAX_FUSED_ROW = 16384  # longest row the fused kernel keeps in registers
 ACTIVATIONS = (None, "gelu", "gelu_tanh", "silu")
-_ACT_CODE = {None: 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}
-_ROUND_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 __all__ = ["quantize_weight_fp8", "quantize_rows_fp8", "quantize_rows_fp8_torch", "quantize_rows_fp8_triton",
            "fp8_matmul", "fp8_linear", "apply_activation", "FP8_DTYPE", "FP8_MAX", "MAX_FUSED_ROW", "ACTIVATIONS"]
@@ -57,7 +59,7 @@ def _check_2d(name: str, t: torch.Tensor) -> None:
     if not isinstance(t, torch.Tensor) or t.dim() != 2:
         shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
         raise ValueError(f"{name} must be a 2-D tensor; got {shape}")
-    if t.dtype not in _ROUND_CODE:
+    if t.dtype not in ROUND_CODE:
         raise ValueError(f"{name}.dtype is {t.dtype}; allowed: torch.bfloat16, torch.float16, torch.float32")
 
 
@@ -88,19 +90,6 @@ def quantize_weight_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # Activations: every call
 # --------------------------------------------------------------------------------------------------------------------
 
-def apply_activation(x: torch.Tensor, activation: str | None) -> torch.Tensor:
-    """The host's pointwise activation in x's dtype (torch evaluates it in fp32 and rounds once)."""
-    if activation is None:
-        return x
-    if activation == "gelu":
-        return torch.nn.functional.gelu(x)
-    if activation == "gelu_tanh":
-        return torch.nn.functional.gelu(x, approximate="tanh")
-    if activation == "silu":
-        return torch.nn.functional.silu(x)
-    raise ValueError(f"activation is {activation!r}; allowed: None, 'gelu', 'gelu_tanh', 'silu'")
-
-
 @torch.no_grad()
 def quantize_rows_fp8_torch(x: torch.Tensor, activation: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference and CPU path: `x` (M, K) -> `x_fp8` (M, K) e4m3, `x_scale` (M, 1) fp32."""
@@ -125,22 +114,7 @@ if triton is not None:
         mask = row_ok[:, None] & (cols < K)[None, :]
         rows64 = rows.to(tl.int64)
         x = tl.load(X + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        if ACT != 0:
-            if ACT == 1:    # gelu (erf)
-                x = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
-            elif ACT == 2:  # gelu (tanh): 0.5 x (1 + tanh(u)) = x * sigmoid(2u)
-                u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-                x = x / (1.0 + tl.exp(-2.0 * u))
-            else:           # silu
-                x = x / (1.0 + tl.exp(-x))
-            if ROUND == 1:  # the activation's output in the input dtype, as the host stores it
-                if INTERPRET:  # the interpreter's bf16 cast truncates: round to nearest even by hand
-                    b = x.to(tl.int32, bitcast=True)
-                    x = ((b + (0x7FFF + ((b >> 16) & 1))) & -65536).to(tl.float32, bitcast=True)
-                else:
-                    x = x.to(tl.bfloat16).to(tl.float32)
-            elif ROUND == 2:
-                x = x.to(tl.float16).to(tl.float32)
+        x = activate(x, ACT, ROUND, INTERPRET)
         amax = tl.maximum(tl.max(tl.abs(x), 1), 1e-30)
         # IEEE-rounded divisions (on the GPU `/` is approximate), as the torch path's tensor-by-tensor ones
         inv = tl.math.div_rn(tl.full([BLOCK_M], 448.0, tl.float32), amax)
@@ -190,7 +164,7 @@ def _kernel_interpreted() -> bool:
 def quantize_rows_fp8_triton(x: torch.Tensor, activation: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused Triton kernel (CUDA, or CPU tensors under TRITON_INTERPRET=1): same outputs as the torch path."""
     _check_2d("x", x)
-    if activation not in _ACT_CODE:
+    if activation not in ACT_CODE:
         raise ValueError(f"activation is {activation!r}; allowed: None, 'gelu', 'gelu_tanh', 'silu'")
     if not fused_kernel_serves(x):
         raise ValueError(f"x of shape {tuple(x.shape)} on {x.device}: the fused kernel takes 2-D rows of 1.."
@@ -205,7 +179,7 @@ def quantize_rows_fp8_triton(x: torch.Tensor, activation: str | None = None) -> 
     block_m, block_k, warps = _kernel_config(k, activation)
     grid = (triton.cdiv(m, block_m),)
     _rowwise_fp8_kernel[grid](x, x_fp8, x_scale, m, k, x.stride(0), x_fp8.stride(0),
-                    ACT=_ACT_CODE[activation], ROUND=_ROUND_CODE[x.dtype], INTERPRET=_interpreting(),
+                    ACT=ACT_CODE[activation], ROUND=ROUND_CODE[x.dtype], INTERPRET=_interpreting(),
                     BLOCK_M=block_m, BLOCK_K=block_k, num_warps=warps)
     return x_fp8, x_scale
 

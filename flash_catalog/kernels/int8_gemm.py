@@ -1,0 +1,496 @@
+"""INT8 W8A8 GEMM with the dequantisation fused in the epilogue: one Triton kernel, int32 accumulation, fp32 epilogue.
+
+Why: on an H200, cuBLAS `torch._int_mm` alone is only ~1.3x bf16 and the separate dequantisation in torch (int32 ->
+float * row scale * column scale -> bf16) costs more than the INT8 GEMM saves, while INT8 per-row / per-channel
+scales are more accurate than FP8 e4m3 rowwise. Here the scales, the bias and the cast run in the GEMM's epilogue.
+
+* `quantize_weight_int8(w)`: (N, K) -> int8 codes (N, K) row-major, fp32 scales (N,), per output channel, once.
+* `quantize_rows_int8(x, smooth)`: (M, K) -> int8 codes (M, K) row-major, fp32 scales (M, 1), per row, every call;
+  `smooth` (K,) divides each column first (SmoothQuant). One Triton kernel (one read of x) on CUDA and under
+  TRITON_INTERPRET=1 for rows of up to `MAX_FUSED_ROW` elements; the torch path gives the same bits.
+  `amax = max(max|x / smooth|, 1e-30)`, `scale = amax / 127`, `codes = clamp(round(x / smooth * (127 / amax)), ±127)`
+  with IEEE-rounded divisions and rounding half away from zero.
+* `int8_matmul(a, a_scale, w, w_scale, bias, out_dtype)`: `(a @ w.T exact in int32) * a_scale * w_scale + bias`,
+  in fp32 in that order, then cast. `tl.dot` of K-major int8 tiles lowers to Hopper `wgmma` s8.s8.s32. Tiles
+  run in grouped order (GROUP_M row tiles share each column sweep, for L2 reuse), optionally persistent (one
+  program per SM walking the tiles) and optionally fed by TMA through host-side tensor descriptors; otherwise
+  pointer loads with `num_stages` software pipelining (cp.async). Configurations are timed explicitly
+  (`CONFIGS`, tools/bench_gemm_int8.py --sweep); `default_config` picks one. Both kernels are compiled with
+  `enable_fp_fusion=False`, so no multiply-add is contracted into an FMA and the torch paths match bit for bit
+  (a fused activation excepted: Triton's GELU/SiLU may differ from torch's by an ulp).
+
+Without CUDA and without the interpreter, the torch paths serve: `torch._int_mm` (exact int32) and the same fp32
+epilogue. The interpreter's fp32 -> bf16 cast truncates, so the kernels round to nearest even by hand there.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .activation import ACT_CODE, ROUND_CODE, activate, apply_activation
+
+INT8_MAX = 127.0
+AMAX_FLOOR = 1e-30        # an all-zero row gets this amax: 127 / amax stays finite and the codes are zeros
+MAX_FUSED_ROW = 16384     # longest row the quantisation kernel keeps in registers (longer rows: the torch path)
+MAX_K = 131071            # K * 128 * 128 < 2^31: the int32 accumulator cannot overflow, even with -128 codes
+SMEM_BYTES = 232448       # shared memory per block on sm_90 (227 KiB)
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _config(bm: int, bn: int, bk: int, warps: int, stages: int, tma: bool, persistent: bool) -> dict:
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": warps, "num_stages": stages,
+            "tma": tma, "persistent": persistent}
+
+
+# Candidates for sm_90, timed by tools/bench_gemm_int8.py --sweep. The operand ring takes stages * (BLOCK_M +
+# BLOCK_N) * BLOCK_K bytes of shared memory (128x256x128 x3 = 144 KiB; persistent variants add the epilogue's
+# scratch, as their ring stays live); the int32 accumulator takes BLOCK_M * BLOCK_N / (32 * num_warps) registers
+# per thread (128 at 128x256 with 8 warps). Triton 3.6 never makes an int32-accumulator wgmma "properly async"
+# (each K step ends in `wgmma.wait_group 0`), so the 4-warp 128x128 tiles with <= 96 KiB rings, two CTAs per SM, let
+# one CTA's MMAs cover the other's drain; BLOCK_K=256 halves the drains of a 128x256 tile.
+CONFIGS: tuple[dict, ...] = (
+    _config(128, 256, 128, 8, 3, tma=True, persistent=False),
+    _config(128, 256, 128, 8, 3, tma=True, persistent=True),
+    _config(128, 256, 128, 8, 3, tma=False, persistent=False),
+    _config(128, 256, 256, 8, 2, tma=True, persistent=False),
+    _config(256, 128, 128, 8, 3, tma=True, persistent=False),
+    _config(256, 128, 128, 8, 3, tma=True, persistent=True),
+    _config(128, 256, 64, 8, 4, tma=True, persistent=True),
+    _config(128, 128, 128, 4, 3, tma=True, persistent=False),
+    _config(128, 128, 128, 4, 3, tma=False, persistent=False),
+    _config(128, 128, 64, 4, 4, tma=True, persistent=False),
+    _config(128, 128, 128, 8, 4, tma=True, persistent=True),
+    _config(128, 128, 128, 8, 4, tma=False, persistent=False),
+)
+_CONFIG_KEYS = frozenset(CONFIGS[0])
+
+__all__ = ["quantize_rows_int8", "quantize_rows_int8_torch", "quantize_weight_int8", "int8_matmul",
+           "int8_matmul_torch", "int8_linear", "default_config", "triton_serves", "CONFIGS", "MAX_FUSED_ROW", "MAX_K"]
+
+
+def default_config(m: int, n: int, k: int) -> dict:
+    """The configuration `int8_matmul` runs when given none: 128x256x128 tiles, 8 warps, 3 stages, TMA-fed when K
+    allows TMA (rows of 16-byte multiples); 128x128x128 tiles with 4 warps when 128x256 ones would not fill 132 SMs.
+    A starting point, not a measurement: time `CONFIGS` on the target (tools/bench_gemm_int8.py --sweep)."""
+    tma = k % 16 == 0
+    if triton.cdiv(m, 128) * triton.cdiv(n, 256) < 132:
+        return _config(128, 128, 128, 4, 3, tma=tma, persistent=False)
+    return _config(128, 256, 128, 8, 3, tma=tma, persistent=False)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _round_to_bf16(x):
+    """fp32 -> the nearest-even bf16 value, kept in fp32 (the interpreter's fp32 -> bf16 cast truncates)."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quant_rows_kernel(X, SMOOTH, Q, S, M, K, stride_xm,
+                       HAS_SMOOTH: tl.constexpr, ACT: tl.constexpr, ROUND: tl.constexpr, INTERPRET: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """BLOCK_M whole rows per program: one read of x, optional activation, amax, int8 codes (row-major, K
+    contiguous) and fp32 scales."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_K)
+    row_ok = rows < M
+    col_ok = cols < K
+    mask = row_ok[:, None] & col_ok[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(X + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = activate(x, ACT, ROUND, INTERPRET)
+    if HAS_SMOOTH:
+        smooth = tl.load(SMOOTH + cols, mask=col_ok, other=1.0)
+        x = tl.math.div_rn(x, smooth[None, :])
+    amax = tl.maximum(tl.max(tl.abs(x), 1), 1e-30)
+    int8_max = tl.full([BLOCK_M], 127.0, tl.float32)
+    inv = tl.math.div_rn(int8_max, amax)
+    scale = tl.math.div_rn(amax, int8_max)
+    v = x * inv[:, None]
+    # round half away from zero: truncate, then step by one where the (exact) remainder reaches a half
+    t = v.to(tl.int32)
+    r = v - t.to(tl.float32)
+    t = t + (r >= 0.5).to(tl.int32) - (r <= -0.5).to(tl.int32)
+    t = tl.minimum(tl.maximum(t, -127), 127)
+    tl.store(Q + rows64[:, None] * K + cols[None, :], t.to(tl.int8), mask=mask)
+    tl.store(S + rows, scale, mask=row_ok)
+
+
+@triton.jit
+def _tile_origin(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Grouped order: GROUP_M consecutive row tiles sweep the column tiles together, so A rows stay in L2."""
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+    first_m = (tile // per_group) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    in_group = tile % per_group
+    return (first_m + in_group % group_rows) * BLOCK_M, (in_group // group_rows) * BLOCK_N
+
+
+@triton.jit
+def _k_step(acc, A, W, off_m, off_n, k0, a_rows, w_rows, stride_am, stride_wn, K,
+            USE_TMA: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc += A[tile rows, k0:k0+BLOCK_K] @ W[tile cols, k0:k0+BLOCK_K].T, both K-major (wgmma's int8 layout)."""
+    if USE_TMA:  # out-of-bounds rows and columns of a box read as zeros
+        a = A.load([off_m, k0])
+        w = W.load([off_n, k0])
+    else:        # A, W: the tile's first row; a_rows / w_rows: rows within it, clamped to valid ones
+        ks = k0 + tl.arange(0, BLOCK_K)
+        a_ptrs = A + a_rows[:, None] * stride_am + ks[None, :]
+        w_ptrs = W + w_rows[:, None] * stride_wn + ks[None, :]
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=(ks < K)[None, :], other=0)
+            w = tl.load(w_ptrs, mask=(ks < K)[None, :], other=0)
+    return tl.dot(a, w.T, acc, out_dtype=tl.int32)
+
+
+@triton.jit
+def _tile(A, AS, W, WS, BIAS, C, tile, M, N, K, stride_am, stride_wn, stride_cm,
+          HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, INTERPRETED: tl.constexpr,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """One (BLOCK_M, BLOCK_N) output tile: the int8 main loop, then scales, bias, cast and masked store."""
+    off_m, off_n = _tile_origin(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    rm = tl.arange(0, BLOCK_M)
+    rn = tl.arange(0, BLOCK_N)
+    a_rows = tl.where(off_m + rm < M, rm, 0)  # rows past M or N re-read row 0 of the tile: loads stay in bounds
+    w_rows = tl.where(off_n + rn < N, rn, 0)
+    if USE_TMA:
+        a_src = A
+        w_src = W
+    else:
+        a_src = A + off_m.to(tl.int64) * stride_am
+        w_src = W + off_n.to(tl.int64) * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    if INTERPRETED:
+        # The interpreter keeps scalars as 1-element arrays, which numpy >= 2.4 refuses to int(): range() with
+        # tensor bounds fails there. A while loop runs the same steps; GPUs take the pipelined for loop below.
+        ki = 0
+        while ki < k_tiles:
+            acc = _k_step(acc, a_src, w_src, off_m, off_n, ki * BLOCK_K, a_rows, w_rows, stride_am, stride_wn, K,
+                          USE_TMA, EVEN_K, BLOCK_K)
+            ki += 1
+    else:
+        for ki in range(k_tiles):
+            acc = _k_step(acc, a_src, w_src, off_m, off_n, ki * BLOCK_K, a_rows, w_rows, stride_am, stride_wn, K,
+                          USE_TMA, EVEN_K, BLOCK_K)
+
+    offs_m = off_m + rm
+    offs_n = off_n + rn
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    a_scale = tl.load(AS + offs_m, mask=m_ok, other=0.0)
+    w_scale = tl.load(WS + offs_n, mask=n_ok, other=0.0)
+    out = acc.to(tl.float32) * a_scale[:, None] * w_scale[None, :]
+    if HAS_BIAS:
+        out = out + tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    if INTERPRETED and C.dtype.element_ty == tl.bfloat16:
+        out = _round_to_bf16(out)
+    c_ptrs = C + off_m.to(tl.int64) * stride_cm + rm[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, out.to(C.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _int8_matmul_kernel(A, AS, W, WS, BIAS, C, M, N, K, stride_am, stride_wn, stride_cm,
+                        HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
+                        PERSISTENT: tl.constexpr, INTERPRETED: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """C = (A @ W.T) * AS * WS (+ BIAS): A (M, K) and W (N, K) int8 row-major (pointers, or TMA descriptors with
+    USE_TMA), AS (M,) and WS (N,) fp32, C (M, N) row-major. PERSISTENT: the grid is smaller than the tile count and
+    each program walks tiles pid, pid + grid, ... (the loops flattened, so loads of the next tile overlap)."""
+    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    if PERSISTENT:
+        if INTERPRETED:
+            tile = tl.program_id(0)
+            while tile < num_tiles:
+                _tile(A, AS, W, WS, BIAS, C, tile, M, N, K, stride_am, stride_wn, stride_cm,
+                      HAS_BIAS, EVEN_K, USE_TMA, INTERPRETED, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+                tile += tl.num_programs(0)
+        else:
+            for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
+                _tile(A, AS, W, WS, BIAS, C, tile, M, N, K, stride_am, stride_wn, stride_cm,
+                      HAS_BIAS, EVEN_K, USE_TMA, INTERPRETED, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+    else:
+        _tile(A, AS, W, WS, BIAS, C, tl.program_id(0), M, N, K, stride_am, stride_wn, stride_cm,
+              HAS_BIAS, EVEN_K, USE_TMA, INTERPRETED, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Where the kernels run
+# --------------------------------------------------------------------------------------------------------------------
+
+def _kernels_interpreted() -> bool:
+    """True when the kernels were built for Triton's CPU interpreter: `@triton.jit` decides at decoration, so
+    CPU tensors run the kernels only if TRITON_INTERPRET=1 was set before triton was imported."""
+    from triton.runtime.interpreter import InterpretedFunction
+    return isinstance(_int8_matmul_kernel, InterpretedFunction)
+
+
+def triton_serves(device: torch.device) -> bool:
+    """True when the Triton kernels run for tensors on `device` (CUDA, or CPU under the interpreter)."""
+    return device.type == "cuda" or (device.type == "cpu" and _kernels_interpreted())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _program_budget(device: torch.device) -> int:
+    """Programs a persistent launch keeps resident: one per SM (a few under the interpreter, to walk tiles)."""
+    if device.type == "cuda":
+        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return 3
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Quantisation
+# --------------------------------------------------------------------------------------------------------------------
+
+def _check_rows(name: str, x: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{name} must be a 2-D tensor; got {shape}")
+    if x.dtype not in IN_DTYPES:
+        raise ValueError(f"{name}.dtype is {x.dtype}; allowed: torch.bfloat16, torch.float16, torch.float32")
+
+
+def _check_smooth(smooth: torch.Tensor | None, x: torch.Tensor) -> None:
+    if smooth is None:
+        return
+    if not isinstance(smooth, torch.Tensor) or smooth.shape != (x.shape[1],) or smooth.dtype != torch.float32:
+        got = f"{tuple(smooth.shape)} {smooth.dtype}" if isinstance(smooth, torch.Tensor) else type(smooth).__name__
+        raise ValueError(f"smooth must be a ({x.shape[1]},) torch.float32 tensor (x's columns); got {got}")
+    if smooth.device != x.device:
+        raise ValueError(f"smooth is on {smooth.device}, x on {x.device}; allowed: the same device")
+    if smooth.stride(0) != 1:
+        raise ValueError(f"smooth must be contiguous; got stride {smooth.stride()}")
+
+
+def _round_half_away(v: torch.Tensor) -> torch.Tensor:
+    """Round half away from zero (torch.round is half-to-even): truncate, step by one where the remainder >= 0.5."""
+    t = v.trunc()
+    r = v - t
+    return t + (r >= 0.5).to(v.dtype) - (r <= -0.5).to(v.dtype)
+
+
+@torch.no_grad()
+def quantize_rows_int8_torch(x: torch.Tensor, smooth: torch.Tensor | None = None,
+                             activation: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference and CPU path of `quantize_rows_int8`: same codes and scales, bit for bit (with an activation, up
+    to the odd ulp where Triton's fp32 GELU/SiLU differs from torch's)."""
+    _check_rows("x", x)
+    _check_smooth(smooth, x)
+    a = apply_activation(x, activation).float()
+    a = a if smooth is None else a / smooth
+    if a.shape[1]:
+        amax = a.abs().amax(dim=1, keepdim=True).clamp_min(AMAX_FLOOR)
+    else:
+        amax = torch.full((a.shape[0], 1), AMAX_FLOOR, device=a.device)
+    # tensor-by-tensor divisions on purpose: torch divides by a scalar through its reciprocal
+    int8_max = torch.full_like(amax, INT8_MAX)
+    codes = _round_half_away(a * (int8_max / amax)).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return codes, (amax / int8_max).contiguous()
+
+
+def _quant_launch(k: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_K, num_warps): whole rows per program, at least 4K elements per program (fp8_rowwise's
+    measured H200 choice for plain rows of 4096 and 16384: 8 warps)."""
+    block_k = max(16, triton.next_power_of_2(k))
+    block_m = max(1, min(64, 4096 // block_k))
+    return block_m, block_k, 4 if block_k * block_m <= 2048 else 8
+
+
+@torch.no_grad()
+def quantize_rows_int8(x: torch.Tensor, smooth: torch.Tensor | None = None,
+                       activation: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric INT8 per row: `x` (M, K) -> codes (M, K) int8 row-major, scales (M, 1) fp32 (amax / 127).
+
+    `activation` (None, 'gelu', 'gelu_tanh', 'silu') is applied first, in fp32 and rounded to x's dtype as the host
+    stores it; then `smooth` (K,) fp32 divides each column (SmoothQuant); None: no division. One Triton kernel where the
+    kernels run (CUDA, or CPU under TRITON_INTERPRET=1) and rows have 1..MAX_FUSED_ROW elements with a unit column
+    stride; otherwise the torch path. Both give the same bits."""
+    _check_rows("x", x)
+    _check_smooth(smooth, x)
+    if activation not in ACT_CODE:
+        raise ValueError(f"activation is {activation!r}; allowed: None, 'gelu', 'gelu_tanh', 'silu'")
+    m, k = x.shape
+    if not triton_serves(x.device) or not 0 < k <= MAX_FUSED_ROW or (x.stride(1) != 1 and k > 1):
+        return quantize_rows_int8_torch(x, smooth, activation)
+    codes = torch.empty((m, k), dtype=torch.int8, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m == 0:
+        return codes, scale
+    block_m, block_k, warps = _quant_launch(k)
+    _quant_rows_kernel[(triton.cdiv(m, block_m),)](
+        x, x if smooth is None else smooth, codes, scale, m, k, x.stride(0),
+        HAS_SMOOTH=smooth is not None, ACT=ACT_CODE[activation], ROUND=ROUND_CODE[x.dtype],
+        INTERPRET=_kernels_interpreted(), BLOCK_M=block_m, BLOCK_K=block_k, num_warps=warps, enable_fp_fusion=False)
+    return codes, scale
+
+
+@torch.no_grad()
+def quantize_weight_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per output channel: `w` (N, K) -> codes (N, K) int8 row-major, scales (N,) fp32; the rows' arithmetic."""
+    _check_rows("w", w)
+    codes, scale = quantize_rows_int8_torch(w.detach())
+    return codes, scale.reshape(-1)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# GEMM
+# --------------------------------------------------------------------------------------------------------------------
+
+def _check_matmul(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                  bias: torch.Tensor | None, out_dtype: torch.dtype) -> None:
+    """Raise ValueError naming the bad argument; no operand is copied or made contiguous here."""
+    for name, t in (("a", a), ("w", w)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype != torch.int8:
+            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a 2-D torch.int8 tensor; got {got}")
+        if t.numel() and (t.stride(1) != 1 or t.stride(0) < t.shape[1]):
+            raise ValueError(f"{name} must be row-major (K contiguous, stride (>=K, 1)); got stride {t.stride()} for "
+                             f"shape {tuple(t.shape)}: pass {name}.contiguous() (not done here: it would copy)")
+    (m, k), (n, kw) = a.shape, w.shape
+    if kw != k:
+        raise ValueError(f"w has K={kw} columns, a has K={k}; allowed: the same K (w is (N, K), a is (M, K))")
+    if k > MAX_K:
+        raise ValueError(f"K={k}; allowed: K <= {MAX_K}, where the int32 accumulator cannot overflow")
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype is {out_dtype}; allowed: torch.bfloat16, torch.float16, torch.float32")
+    vectors = [("a_scale", a_scale, ((m, 1), (m,)), (torch.float32,)),
+               ("w_scale", w_scale, ((n,), (1, n)), (torch.float32,))]
+    if bias is not None:
+        vectors.append(("bias", bias, ((n,),), IN_DTYPES))
+    for name, t, shapes, dtypes in vectors:
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) not in shapes or t.dtype not in dtypes:
+            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            want = " or ".join(str(s) for s in shapes)
+            raise ValueError(f"{name} must have shape {want} and dtype {' / '.join(map(str, dtypes))}; got {got}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous; got stride {t.stride()} for shape {tuple(t.shape)}")
+    for name, t in (("a_scale", a_scale), ("w", w), ("w_scale", w_scale), ("bias", bias)):
+        if t is not None and t.device != a.device:
+            raise ValueError(f"{name} is on {t.device}, a on {a.device}; allowed: the same device")
+
+
+def _resolve_config(config: dict | None, m: int, n: int, k: int) -> dict:
+    """`config` over `default_config(m, n, k)`, validated: unknown keys, tile sizes and shared memory."""
+    cfg = default_config(m, n, k)
+    if config is not None:
+        unknown = set(config) - _CONFIG_KEYS
+        if unknown:
+            raise ValueError(f"config has unknown keys {sorted(unknown)}; allowed: {sorted(_CONFIG_KEYS)}")
+        cfg.update(config)
+    for key, low in (("BLOCK_M", 16), ("BLOCK_N", 16), ("BLOCK_K", 32), ("GROUP_M", 1), ("num_warps", 1)):
+        v = cfg[key]
+        if not isinstance(v, int) or v < low or (key != "GROUP_M" and v & (v - 1)):
+            raise ValueError(f"config[{key!r}] is {v!r}; allowed: " + (f"an int >= {low}" if key == "GROUP_M" else
+                                                                         f"a power of two >= {low}"))
+    if not isinstance(cfg["num_stages"], int) or cfg["num_stages"] < 1:
+        raise ValueError(f"config['num_stages'] is {cfg['num_stages']!r}; allowed: an int >= 1")
+    for key in ("tma", "persistent"):
+        if not isinstance(cfg[key], bool):
+            raise ValueError(f"config[{key!r}] is {cfg[key]!r}; allowed: True or False")
+    ring = cfg["num_stages"] * (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"]
+    if ring > SMEM_BYTES:
+        raise ValueError(f"config {cfg}: num_stages * (BLOCK_M + BLOCK_N) * BLOCK_K = {ring} bytes of shared memory; "
+                         f"allowed: <= {SMEM_BYTES} (sm_90)")
+    if cfg["tma"] and max(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]) > 256:
+        raise ValueError(f"config {cfg}: a TMA box is at most 256 per dimension; use tma=False or smaller tiles")
+    return cfg
+
+
+def _tma_blocker(a: torch.Tensor, w: torch.Tensor) -> str | None:
+    """Why TMA descriptors cannot address a and w (16-byte aligned bases and row strides), or None."""
+    for name, t in (("a", a), ("w", w)):
+        if t.data_ptr() % 16 or t.stride(0) % 16:
+            return f"{name} needs a 16-byte aligned base and row stride for TMA (stride {t.stride(0)})"
+    return None
+
+
+def int8_matmul_torch(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                      bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """Reference and CPU path of `int8_matmul`: exact int32 `torch._int_mm`, then the kernel's fp32 epilogue."""
+    _check_matmul(a, a_scale, w, w_scale, bias, out_dtype)
+    m, n = a.shape[0], w.shape[0]
+    if m == 0 or n == 0 or a.shape[1] == 0:
+        acc = torch.zeros((m, n), dtype=torch.int32, device=a.device)
+    else:
+        acc = torch._int_mm(a, w.t())
+    return _epilogue(acc, a_scale, w_scale, bias, out_dtype)
+
+
+def _epilogue(acc: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    out = acc.float() * a_scale.reshape(-1, 1) * w_scale.reshape(-1)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+def int8_matmul(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                bias: torch.Tensor | None, out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
+    """(M, K) int8 x (N, K) int8 -> (M, N) `out_dtype`: `(a @ w.T, exact int32) * a_scale * w_scale + bias`.
+
+    a: (M, K) row-major, a_scale: (M, 1) or (M,) fp32; w: (N, K) row-major, w_scale: (N,) or (1, N) fp32; bias:
+    (N,) bf16 / fp16 / fp32 or None. The epilogue computes `acc.float() * a_scale * w_scale`, then `+ bias.float()`,
+    in fp32, then casts. `config` (keys of `CONFIGS`' entries, partial allowed) overrides `default_config(M, N, K)`;
+    an explicit `tma=True` on operands TMA cannot address is an error, the default then falls back to pointer loads.
+    One Triton kernel on CUDA (or CPU under TRITON_INTERPRET=1); otherwise `int8_matmul_torch`, the same bits."""
+    _check_matmul(a, a_scale, w, w_scale, bias, out_dtype)
+    (m, k), n = a.shape, w.shape[0]
+    cfg = _resolve_config(config, m, n, k)
+    if not triton_serves(a.device) or m == 0 or n == 0 or k == 0:
+        return int8_matmul_torch(a, a_scale, w, w_scale, bias, out_dtype)
+    if cfg["tma"]:
+        blocker = _tma_blocker(a, w)
+        if blocker and config is not None and config.get("tma"):
+            raise ValueError(f"config asks for tma=True but {blocker}; use tma=False")
+        cfg["tma"] = blocker is None
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if cfg["tma"]:
+        a_arg = TensorDescriptor.from_tensor(a, [bm, bk])
+        w_arg = TensorDescriptor.from_tensor(w, [bn, bk])
+    else:
+        a_arg, w_arg = a, w
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    grid = (min(tiles, _program_budget(a.device)) if cfg["persistent"] else tiles,)
+    _int8_matmul_kernel[grid](
+        a_arg, a_scale, w_arg, w_scale, w_scale if bias is None else bias, out, m, n, k,
+        a.stride(0), w.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, USE_TMA=cfg["tma"], PERSISTENT=cfg["persistent"],
+        INTERPRETED=_kernels_interpreted(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], enable_fp_fusion=False)
+    return out
+
+
+def int8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
+                out_dtype: torch.dtype | None = None, activation: str | None = None) -> torch.Tensor:
+    """`activation(x) @ W.T + bias` with x quantized per row to INT8: x (..., K) -> (..., N) in `out_dtype`
+    (default x's); `w`, `w_scale` from `quantize_weight_int8`."""
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    n, k = w.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x's last dim is {x.shape[-1]}; allowed: {k} (the weight's in_features)")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.shape[0] == 0:
+        return torch.empty((*lead, n), dtype=out_dtype, device=x.device)
+    codes, scale = quantize_rows_int8(x2, activation=activation)
+    return int8_matmul(codes, scale, w, w_scale, bias, out_dtype).reshape(*lead, n)
