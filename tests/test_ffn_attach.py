@@ -81,10 +81,10 @@ def test_profiles_select_forms_and_explicit_lists_outrank_them():
     assert all(s.kind == "attention" for s in plan.sites)
     detach(plan)
     with pytest.raises(ValueError, match=r"unknown profile 'fast'; known: fp8_accurate, fp8_balance, fp8_balance_proj, "
-                                         r"fp8_balance_sage, nvfp4_balance_sage"):
+                                         r"fp8_balance_sage, int8_balance, int8_balance_sage, nvfp4_balance_sage"):
         attach(host.model, host.inputs(), profile="fast")
-    with pytest.raises(ValueError, match=r"unknown vision_ffn form\(s\) 'int3'; known: fp8_rowwise, fp8_rowwise_up, "
-                                         r"nvfp4_w4a4"):
+    with pytest.raises(ValueError, match=r"unknown vision_ffn form\(s\) 'int3'; known: int8_rowwise, fp8_rowwise, "
+                                         r"fp8_rowwise_up, nvfp4_w4a4"):
         attach(host.model, host.inputs(), ffn_forms=["int3"])
 
 

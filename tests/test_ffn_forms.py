@@ -274,7 +274,7 @@ def test_fp8_form_matches_host(activation, dtype):
     assert y.shape == ref.shape and y.dtype == dtype
     assert cos(y, ref) >= FP8_MIN_COS.get(_short(activation), 0.998)
     assert rel(y, ref) <= spec("fp8_rowwise").accuracy.max_rel_err
-    assert built.w1_fp8.dtype == torch.float8_e4m3fn and built.w1_scale.shape == (1, built.w1_fp8.shape[0])
+    assert built.w1_q.dtype == torch.float8_e4m3fn and built.w1_scale.shape == (1, built.w1_q.shape[0])
 
 
 @pytest.mark.parametrize("activation", HOST_ACTIVATIONS)
@@ -400,7 +400,7 @@ def test_nvfp4_refuses_without_emulation_on_cpu():
 def test_specs_load_and_build():
     catalog = Catalog.load()
     names = [s.name for s in catalog.family("vision_ffn")]
-    assert names == ["fp8_rowwise", "fp8_rowwise_up", "nvfp4_w4a4"]
+    assert names == ["int8_rowwise", "fp8_rowwise", "fp8_rowwise_up", "nvfp4_w4a4"]  # precision-first order
     s8, s4 = spec("fp8_rowwise"), spec("nvfp4_w4a4")
     assert (s8.family, s8.precision, s8.envelope.min_capability) == ("vision_ffn", "fp8", (8, 9))
     assert s8.envelope.devices == ("cpu", "cuda") and "bfloat16" in s8.envelope.dtypes
@@ -422,7 +422,7 @@ def test_up_form_quantizes_only_the_up_projection(activation):
     proj_out = ff.net[2]
     assert up.w2.dtype == proj_out.weight.dtype and torch.equal(up.w2, proj_out.weight)
     assert up.w2.untyped_storage().data_ptr() != proj_out.weight.untyped_storage().data_ptr()  # the form's copy
-    assert up.w1_fp8.dtype == torch.float8_e4m3fn
+    assert up.w1_q.dtype == torch.float8_e4m3fn
     c_up, c_both = cos(y_up, ref), cos(y_both, ref)
     # gated activations multiply two outputs of the quantized GEMM: below the 0.999 floor (the gate refuses them)
     floor = 0.998 if activation.startswith(("geglu", "swiglu")) else spec("fp8_rowwise_up").accuracy.min_cosine

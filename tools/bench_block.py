@@ -29,6 +29,8 @@ SELECTIONS = {
     "fp8_balance_proj": {"profile": "fp8_balance_proj"},
     "fp8_balance_sage": {"profile": "fp8_balance_sage"},
     "fp8_accurate": {"profile": "fp8_accurate"},
+    "int8_balance": {"profile": "int8_balance"},
+    "int8_balance_sage": {"profile": "int8_balance_sage"},
 }
 
 

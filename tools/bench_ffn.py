@@ -6,7 +6,7 @@ quantisation included; also its unfused variant, GELU-tanh in torch then quantis
 `triton.testing.do_bench(..., return_mode="median")` (and, for GPU time alone, `do_bench_cudagraph`),
 the speedup, cosine and max relative error
 (max|y - ref| / max|ref|) of both against an fp32 run of the host math; the `fp8_rowwise_up` module (FP8 up
-projection only) likewise; each GEMM alone, FP8 `_scaled_mm` vs bf16
+projection only) and the `int8_rowwise` module likewise; each GEMM alone, FP8 `_scaled_mm` vs bf16
 cuBLAS (`F.linear`, both with bias); and the time share of the row-quantisation kernels in the FP8 module.
 
     python tools/bench_ffn.py [--json bench_ffn.json] [--rows 256 4096 24576]
@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flash_catalog.catalog import specs_dir  # noqa: E402
 from flash_catalog.forms.fp8_rowwise import Fp8RowwiseFfn, Fp8UpFfn  # noqa: E402
+from flash_catalog.forms.int8_rowwise import Int8RowwiseFfn  # noqa: E402
 from flash_catalog.kernels.fp8_rowwise import fp8_matmul, quantize_rows_fp8, quantize_weight_fp8  # noqa: E402
 from flash_catalog.specs import load_spec  # noqa: E402
 
@@ -69,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     unfused = form.build(host)
     unfused.fuse_activation = False
     up_only = Fp8UpFfn(load_spec(specs_dir() / "vision_ffn" / "fp8_rowwise_up.toml")).build(host)
+    int8 = Int8RowwiseFfn(load_spec(specs_dir() / "vision_ffn" / "int8_rowwise.toml")).build(host)
     w1, b1 = host.net[0].proj.weight, host.net[0].proj.bias
     w2, b2 = host.net[2].weight, host.net[2].bias
     w1q, w1s = quantize_weight_fp8(w1)
@@ -96,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
             y_up = up_only(x)
             up_cos, up_rel = errors(y_up, ref)
             t_up = bench(lambda: up_only(x))
+            y_int8 = int8(x)
+            int8_cos, int8_rel = errors(y_int8, ref)
+            int8_vs_host_cos, _ = errors(y_int8, y_host)
+            t_int8 = bench(lambda: int8(x))
             t_host_graph = bench_graph(lambda: host(x))   # GPU time alone, launch overhead replayed away
             t_fp8_graph = bench_graph(lambda: built(x))
 
@@ -116,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
                 "fp8_unfused_ms": t_unf, "speedup_unfused": t_host / t_unf,
                 "up_only_ms": t_up, "up_only_speedup": t_host / t_up, "up_only_vs_fp32_cos": up_cos,
                 "up_only_vs_fp32_max_rel_err": up_rel,
+                "int8_ms": t_int8, "int8_speedup": t_host / t_int8, "int8_vs_fp32_cos": int8_cos,
+                "int8_vs_fp32_max_rel_err": int8_rel, "int8_vs_host_cos": int8_vs_host_cos,
+                "int8_resident_bytes": int8.resident_bytes(),
                 "host_graph_ms": t_host_graph, "fp8_graph_ms": t_fp8_graph, "speedup_graph": t_host_graph / t_fp8_graph,
                 "host_vs_fp32_cos": host_cos, "host_vs_fp32_max_rel_err": host_rel,
                 "fp8_vs_fp32_cos": fp8_cos, "fp8_vs_fp32_max_rel_err": fp8_rel,
@@ -130,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                 "quant_h_gbps": m * INNER * (2 + 1) / t_quant_h / 1e6,
             }
             rows.append(row)
-            del x, ref, y_host, y_fp8, y_unf, y_up, h, xq, xs, hq, hs
+            del x, ref, y_host, y_fp8, y_unf, y_up, y_int8, h, xq, xs, hq, hs
             torch.cuda.empty_cache()
 
     print(f"{'M':>6} | {'host ms':>8} {'fp8 ms':>8} {'speedup':>7} {'unfused':>7} {'graphed':>7} | "
@@ -150,6 +159,13 @@ def main(argv: list[str] | None = None) -> int:
           "graphed = the same speedup with both replayed from CUDA graphs (GPU time, no launch overhead); "
           "G1/G2 = each GEMM alone with bias (bf16 F.linear vs FP8 _scaled_mm rowwise); share = (qx + qh) / fp8 ms; "
           "up = the fp8_rowwise_up module (FP8 up projection, bf16 down projection)")
+    print(f"\n{'M':>6} | {'int8 ms':>8} {'speedup':>7} {'cos/fp32':>9} {'rel/fp32':>8} {'cos/host':>9} | resident")
+    for r in rows:
+        print(f"{r['rows']:>6} | {r['int8_ms']:8.3f} {r['int8_speedup']:7.3f} {r['int8_vs_fp32_cos']:9.6f} "
+              f"{r['int8_vs_fp32_max_rel_err']:8.4f} {r['int8_vs_host_cos']:9.6f} | "
+              f"{r['int8_resident_bytes'] / 2**20:.0f} MiB")
+    print("int8 = the int8_rowwise module (INT8 W8A8, Triton GEMMs with fused dequant, GELU-tanh fused into the row "
+          "quantiser)")
     if args.json:
         args.json.write_text(json.dumps({"info": info, "rows": rows}, indent=2))
         print(f"wrote {args.json}")

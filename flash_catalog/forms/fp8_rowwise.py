@@ -11,6 +11,7 @@ This file also holds what both FFN forms share: reading the host's layout, its a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -175,6 +176,20 @@ def copied_bias(linear: nn.Linear) -> torch.Tensor:
     return linear.bias.detach().clone()
 
 
+@dataclass(frozen=True)
+class Scheme:
+    """How a quantized module stores a weight and runs a linear: codes and per-output-channel scales from
+    `quantize_weight(w)`, and `linear(x, codes, scales, bias, out_dtype, activation=None)` with x quantized per
+    row (the activation applied to x first, fused into the row quantiser)."""
+
+    label: str
+    quantize_weight: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    linear: Callable[..., torch.Tensor]
+
+
+FP8 = Scheme("fp8 e4m3 rowwise", quantize_weight_fp8, fp8_linear)
+
+
 class QuantizedModule(nn.Module):
     """A form's replacement module: holds only buffers of its own, in one input/output dtype."""
 
@@ -198,28 +213,31 @@ class QuantizedModule(nn.Module):
 
 
 class QuantizedFeedForward(QuantizedModule):
-    """FP8 rowwise W8A8 FeedForward: holds only its own quantized weights, scales and biases."""
+    """W8A8 FeedForward (FP8 or INT8 by `scheme`): holds only its own quantized weights, scales and biases."""
 
     def __init__(self, activation: str, dtype: torch.dtype, w1: torch.Tensor, s1: torch.Tensor, b1: torch.Tensor,
-                 w2: torch.Tensor, s2: torch.Tensor, b2: torch.Tensor, fuse_activation: bool = True) -> None:
+                 w2: torch.Tensor, s2: torch.Tensor, b2: torch.Tensor, fuse_activation: bool = True,
+                 scheme: Scheme = FP8) -> None:
         super().__init__()
-        self.hold(dtype, activation, w1_fp8=w1, w1_scale=s1, b1=b1, w2_fp8=w2, w2_scale=s2, b2=b2)
+        self.hold(dtype, activation, w1_q=w1, w1_scale=s1, b1=b1, w2_q=w2, w2_scale=s2, b2=b2)
         self.fuse_activation = fuse_activation
+        self.scheme = scheme
 
     def extra_repr(self) -> str:
-        n1, k1 = self.w1_fp8.shape
-        n2, k2 = self.w2_fp8.shape
-        return f"{k1} -> {n1} ({self.activation}) -> {k2} -> {n2}, fp8 e4m3 rowwise, {str(self.dtype)[6:]} out"
+        n1, k1 = self.w1_q.shape
+        n2, k2 = self.w2_q.shape
+        return f"{k1} -> {n1} ({self.activation}) -> {k2} -> {n2}, {self.scheme.label}, {str(self.dtype)[6:]} out"
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         del args, kwargs  # the host ignores them too (a deprecated `scale`)
         x = hidden_states
         self.check_input(x)
-        h = fp8_linear(x, self.w1_fp8, self.w1_scale, self.b1, self.dtype)
+        linear = self.scheme.linear
+        h = linear(x, self.w1_q, self.w1_scale, self.b1, self.dtype)
         fused = FUSED_ACTIVATIONS.get(self.activation) if self.fuse_activation else None
         if fused is None:
             h = host_activation(h, self.activation)
-        return fp8_linear(h, self.w2_fp8, self.w2_scale, self.b2, self.dtype, activation=fused)
+        return linear(h, self.w2_q, self.w2_scale, self.b2, self.dtype, activation=fused)
 
 
 class QuantizedUpFeedForward(QuantizedModule):
@@ -231,31 +249,33 @@ class QuantizedUpFeedForward(QuantizedModule):
     def __init__(self, activation: str, dtype: torch.dtype, w1: torch.Tensor, s1: torch.Tensor, b1: torch.Tensor,
                  w2: torch.Tensor, b2: torch.Tensor) -> None:
         super().__init__()
-        self.hold(dtype, activation, w1_fp8=w1, w1_scale=s1, b1=b1, w2=w2, b2=b2)
+        self.hold(dtype, activation, w1_q=w1, w1_scale=s1, b1=b1, w2=w2, b2=b2)
 
     def extra_repr(self) -> str:
-        n1, k1 = self.w1_fp8.shape
+        n1, k1 = self.w1_q.shape
         n2, k2 = self.w2.shape
         return f"{k1} -> {n1} ({self.activation}) -> {k2} -> {n2}, up fp8 e4m3 rowwise, down {str(self.dtype)[6:]}"
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         del args, kwargs  # the host ignores them too (a deprecated `scale`)
         self.check_input(hidden_states)
-        h = host_activation(fp8_linear(hidden_states, self.w1_fp8, self.w1_scale, self.b1, self.dtype),
+        h = host_activation(fp8_linear(hidden_states, self.w1_q, self.w1_scale, self.b1, self.dtype),
                             self.activation)
         return F.linear(h, self.w2, self.b2)
 
 
 class QuantizedLinear(QuantizedModule):
-    """FP8 rowwise W8A8 `nn.Linear` (a whitelisted attention projection): its own e4m3 weight, scale, bias."""
+    """W8A8 `nn.Linear` (a whitelisted attention projection; FP8 or INT8 by `scheme`): its own codes, scale, bias."""
 
-    def __init__(self, dtype: torch.dtype, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor) -> None:
+    def __init__(self, dtype: torch.dtype, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor,
+                 scheme: Scheme = FP8) -> None:
         super().__init__()
-        self.hold(dtype, None, w_fp8=w, w_scale=scale, bias=bias)
+        self.hold(dtype, None, w_q=w, w_scale=scale, bias=bias)
+        self.scheme = scheme
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.check_input(x)
-        return fp8_linear(x, self.w_fp8, self.w_scale, self.bias, self.dtype)
+        return self.scheme.linear(x, self.w_q, self.w_scale, self.bias, self.dtype)
 
 
 def linear_rule(module: nn.Linear, x: torch.Tensor) -> str | None:
@@ -269,6 +289,10 @@ class Fp8RowwiseFfn(FfnForm):
 
     fuse_activation: bool = True
 
+    @property
+    def scheme(self) -> Scheme:
+        return FP8
+
     def rule(self, module: nn.Module, x: torch.Tensor) -> str | None:
         if type(module) is nn.Linear:
             return linear_rule(module, x)
@@ -277,14 +301,16 @@ class Fp8RowwiseFfn(FfnForm):
 
     @torch.no_grad()
     def build(self, module: nn.Module) -> nn.Module:
+        scheme = self.scheme
         if type(module) is nn.Linear:
-            w, scale = quantize_weight_fp8(module.weight)
-            return QuantizedLinear(module.weight.dtype, w, scale, copied_bias(module))
+            w, scale = scheme.quantize_weight(module.weight)
+            return QuantizedLinear(module.weight.dtype, w, scale, copied_bias(module), scheme=scheme)
         layout = adopt_layout(self.name, module)
-        w1, s1 = quantize_weight_fp8(layout.proj_in.weight)
-        w2, s2 = quantize_weight_fp8(layout.proj_out.weight)
+        w1, s1 = scheme.quantize_weight(layout.proj_in.weight)
+        w2, s2 = scheme.quantize_weight(layout.proj_out.weight)
         return QuantizedFeedForward(layout.activation, layout.dtype, w1, s1, copied_bias(layout.proj_in),
-                                    w2, s2, copied_bias(layout.proj_out), fuse_activation=self.fuse_activation)
+                                    w2, s2, copied_bias(layout.proj_out), fuse_activation=self.fuse_activation,
+                                    scheme=scheme)
 
 
 class Fp8UpFfn(Fp8RowwiseFfn):
