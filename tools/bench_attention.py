@@ -3,8 +3,9 @@
 Two real diffusers `LTX2Attention` modules with random weights at real dims (dim 4096, 32 heads x 128):
 a video self-attention site (S=24576, no mask) and a text cross-attention site (Sq=24576, Skv=256) that
 receives LTX's all-pass additive mask. Each site is attached through `flash_catalog.attach` (its own
-gate decides), then the attention call itself is timed side by side with `triton.testing.do_bench`
-(median), host dispatch vs the bound runner, with accuracy against an fp32 reference.
+gate decides; the table's last column names the bound form and the gate's ratio), then the attention call
+itself is timed side by side with `triton.testing.do_bench` (median), host dispatch vs an `sdpa_dense` runner,
+with accuracy against an fp32 reference.
 
     python tools/bench_attention.py [--seq 24576] [--text 256] [--json bench_attention.json]
 """
@@ -102,7 +103,8 @@ def bench_site(label: str, site: Site, kwargs: dict, flops: float) -> dict:
         "ratio": host_med / form_ms, "form_detail": runner.detail,
         "host_cos": host_acc.cosine, "host_err": host_acc.max_rel_err,
         "form_cos": form_acc.cosine, "form_err": form_acc.max_rel_err,
-        "decision": record.outcome, "decision_speedup": record.speedup, "decision_reason": record.reason,
+        "decision": record.outcome, "decision_form": record.form, "decision_speedup": record.speedup,
+        "decision_reason": record.reason,
         "module_attached_ms": module_host, "module_detached_ms": module_detached,
     }
 
@@ -137,13 +139,14 @@ def main() -> int:
 
     env = environment(device)
     print(f"\n{env['device_name']}  torch {env['torch']}  triton {env['triton']}  diffusers {env['diffusers']}")
-    header = (f"{'site':46} {'q':>18} {'k':>18} {'host ms':>8} {'form ms':>8} {'host TF':>8} {'form TF':>8} "
-              f"{'ratio':>6} {'form cos':>9} {'form err':>9} decision")
+    header = (f"{'site':46} {'q':>18} {'k':>18} {'host ms':>8} {'sdpa ms':>8} {'host TF':>8} {'sdpa TF':>8} "
+              f"{'ratio':>6} {'sdpa cos':>9} {'sdpa err':>9} decision (gate)")
     print(header)
     for r in rows:
         print(f"{r['site']:46} {str(tuple(r['q'])):>18} {str(tuple(r['k'])):>18} {r['host_ms']:8.3f} "
               f"{r['form_ms']:8.3f} {r['host_tflops']:8.1f} {r['form_tflops']:8.1f} {r['ratio']:6.3f} "
-              f"{r['form_cos']:9.6f} {r['form_err']:9.2e} {r['decision']} ({r['form_detail']})")
+              f"{r['form_cos']:9.6f} {r['form_err']:9.2e} {r['decision']} {r['decision_form'] or ''} "
+              f"({'-' if r['decision_speedup'] is None else format(r['decision_speedup'], '.3f')}x)")
     Path(args.json).write_text(json.dumps({"environment": env, "rows": rows}, indent=2))
     print(f"wrote {args.json}")
     return 0
