@@ -34,6 +34,13 @@ def apply_activation(x: torch.Tensor, activation: str | None) -> torch.Tensor:
 
 if triton is not None:
     @triton.jit
+    def round_to_bf16(x):
+        """Round fp32 to the nearest-even bf16 value, in fp32 (the interpreter's fp32->bf16 cast truncates)."""
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
     def activate(x, ACT: tl.constexpr, ROUND: tl.constexpr, INTERPRET: tl.constexpr):
         """fp32 x -> activation(x) rounded to the input dtype (ROUND: 0 fp32, 1 bf16, 2 fp16), kept in fp32."""
         if ACT != 0:
@@ -45,9 +52,8 @@ if triton is not None:
             else:           # silu
                 x = x / (1.0 + tl.exp(-x))
             if ROUND == 1:  # the activation's output in the input dtype, as the host stores it
-                if INTERPRET:  # the interpreter's bf16 cast truncates: round to nearest even by hand
-                    b = x.to(tl.int32, bitcast=True)
-                    x = ((b + (0x7FFF + ((b >> 16) & 1))) & -65536).to(tl.float32, bitcast=True)
+                if INTERPRET:
+                    x = round_to_bf16(x)
                 else:
                     x = x.to(tl.bfloat16).to(tl.float32)
             elif ROUND == 2:

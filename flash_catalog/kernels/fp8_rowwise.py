@@ -27,6 +27,7 @@ import os
 import torch
 
 from .activation import ACT_CODE, ROUND_CODE, apply_activation
+from .rows import check_rows, over_rows
 
 try:  # the torch path below serves every case when triton is absent
     import triton
@@ -55,14 +56,6 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _check_2d(name: str, t: torch.Tensor) -> None:
-    if not isinstance(t, torch.Tensor) or t.dim() != 2:
-        shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-        raise ValueError(f"{name} must be a 2-D tensor; got {shape}")
-    if t.dtype not in ROUND_CODE:
-        raise ValueError(f"{name}.dtype is {t.dtype}; allowed: torch.bfloat16, torch.float16, torch.float32")
-
-
 def _inverse_and_scale(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """IEEE-rounded 448 / amax and amax / 448. Tensor-by-tensor division on purpose: torch computes a scalar
     numerator as reciprocal-then-multiply, and on CUDA divides by a CPU scalar through its reciprocal."""
@@ -79,7 +72,7 @@ def quantize_weight_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-output-channel e4m3: `w` (N, K) -> `w_fp8` (N, K) row-major, `w_scale` (1, N) fp32 (amax / 448).
 
     Pass `w_fp8.t()` (column-major (K, N)) and `w_scale` to `torch._scaled_mm` as the second operand."""
-    _check_2d("w", w)
+    check_rows("w", w)
     amax = w.detach().float().abs().amax(dim=1).clamp_min(AMAX_FLOOR)        # (N,)
     inv, scale = _inverse_and_scale(amax)
     w_fp8 = (w.detach().float() * inv[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).contiguous()
@@ -93,7 +86,7 @@ def quantize_weight_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @torch.no_grad()
 def quantize_rows_fp8_torch(x: torch.Tensor, activation: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference and CPU path: `x` (M, K) -> `x_fp8` (M, K) e4m3, `x_scale` (M, 1) fp32."""
-    _check_2d("x", x)
+    check_rows("x", x)
     a = apply_activation(x, activation).float()
     amax = a.abs().amax(dim=1, keepdim=True).clamp_min(AMAX_FLOOR) if a.shape[1] else \
         torch.full((a.shape[0], 1), AMAX_FLOOR, device=a.device)
@@ -163,7 +156,7 @@ def _kernel_interpreted() -> bool:
 @torch.no_grad()
 def quantize_rows_fp8_triton(x: torch.Tensor, activation: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused Triton kernel (CUDA, or CPU tensors under TRITON_INTERPRET=1): same outputs as the torch path."""
-    _check_2d("x", x)
+    check_rows("x", x)
     if activation not in ACT_CODE:
         raise ValueError(f"activation is {activation!r}; allowed: None, 'gelu', 'gelu_tanh', 'silu'")
     if not fused_kernel_serves(x):
@@ -224,14 +217,9 @@ def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, bias
 
     `activation` (None, 'gelu', 'gelu_tanh', 'silu') is applied to x in x's dtype before the quantisation."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    n, k = w_fp8.shape
-    if x.shape[-1] != k:
-        raise ValueError(f"x's last dim is {x.shape[-1]}; allowed: {k} (the weight's in_features)")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
-    if x2.shape[0] == 0:
-        out = torch.empty((0, n), dtype=out_dtype, device=x.device)
-    else:
+
+    def product(x2: torch.Tensor) -> torch.Tensor:
         x_fp8, x_scale = quantize_rows_fp8(x2, activation)
-        out = fp8_matmul(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype)
-    return out.reshape(*lead, n)
+        return fp8_matmul(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype)
+
+    return over_rows(x, w_fp8.shape[1], w_fp8.shape[0], out_dtype, product)

@@ -32,7 +32,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .activation import ACT_CODE, ROUND_CODE, activate, apply_activation
+from .activation import ACT_CODE, ROUND_CODE, activate, apply_activation, round_to_bf16
+from .rows import ROW_DTYPES, check_rows, over_rows
 
 INT8_MAX = 127.0
 AMAX_FLOOR = 1e-30        # an all-zero row gets this amax: 127 / amax stays finite and the codes are zeros
@@ -40,7 +41,6 @@ MAX_FUSED_ROW = 16384     # longest row the quantisation kernel keeps in registe
 MAX_K = 131071            # K * 128 * 128 < 2^31: the int32 accumulator cannot overflow, even with -128 codes
 SMEM_BYTES = 232448       # shared memory per block on sm_90 (227 KiB)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _config(bm: int, bn: int, bk: int, warps: int, stages: int, tma: bool, persistent: bool) -> dict:
@@ -87,14 +87,6 @@ def default_config(m: int, n: int, k: int) -> dict:
 # --------------------------------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------------------------------
-
-@triton.jit
-def _round_to_bf16(x):
-    """fp32 -> the nearest-even bf16 value, kept in fp32 (the interpreter's fp32 -> bf16 cast truncates)."""
-    bits = x.to(tl.int32, bitcast=True)
-    bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
-    return bits.to(tl.float32, bitcast=True)
-
 
 @triton.jit
 def _quant_rows_kernel(X, SMOOTH, Q, S, M, K, stride_xm,
@@ -199,7 +191,7 @@ def _tile(A, AS, W, WS, BIAS, C, tile, M, N, K, stride_am, stride_wn, stride_cm,
     if HAS_BIAS:
         out = out + tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     if INTERPRETED and C.dtype.element_ty == tl.bfloat16:
-        out = _round_to_bf16(out)
+        out = round_to_bf16(out)
     c_ptrs = C + off_m.to(tl.int64) * stride_cm + rm[:, None] * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, out.to(C.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -261,14 +253,6 @@ def _program_budget(device: torch.device) -> int:
 # Quantisation
 # --------------------------------------------------------------------------------------------------------------------
 
-def _check_rows(name: str, x: torch.Tensor) -> None:
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"{name} must be a 2-D tensor; got {shape}")
-    if x.dtype not in IN_DTYPES:
-        raise ValueError(f"{name}.dtype is {x.dtype}; allowed: torch.bfloat16, torch.float16, torch.float32")
-
-
 def _check_smooth(smooth: torch.Tensor | None, x: torch.Tensor) -> None:
     if smooth is None:
         return
@@ -293,7 +277,7 @@ def quantize_rows_int8_torch(x: torch.Tensor, smooth: torch.Tensor | None = None
                              activation: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference and CPU path of `quantize_rows_int8`: same codes and scales, bit for bit (with an activation, up
     to the odd ulp where Triton's fp32 GELU/SiLU differs from torch's)."""
-    _check_rows("x", x)
+    check_rows("x", x)
     _check_smooth(smooth, x)
     a = apply_activation(x, activation).float()
     a = a if smooth is None else a / smooth
@@ -324,7 +308,7 @@ def quantize_rows_int8(x: torch.Tensor, smooth: torch.Tensor | None = None,
     stores it; then `smooth` (K,) fp32 divides each column (SmoothQuant); None: no division. One Triton kernel where the
     kernels run (CUDA, or CPU under TRITON_INTERPRET=1) and rows have 1..MAX_FUSED_ROW elements with a unit column
     stride; otherwise the torch path. Both give the same bits."""
-    _check_rows("x", x)
+    check_rows("x", x)
     _check_smooth(smooth, x)
     if activation not in ACT_CODE:
         raise ValueError(f"activation is {activation!r}; allowed: None, 'gelu', 'gelu_tanh', 'silu'")
@@ -346,7 +330,7 @@ def quantize_rows_int8(x: torch.Tensor, smooth: torch.Tensor | None = None,
 @torch.no_grad()
 def quantize_weight_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per output channel: `w` (N, K) -> codes (N, K) int8 row-major, scales (N,) fp32; the rows' arithmetic."""
-    _check_rows("w", w)
+    check_rows("w", w)
     codes, scale = quantize_rows_int8_torch(w.detach())
     return codes, scale.reshape(-1)
 
@@ -375,7 +359,7 @@ def _check_matmul(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_sca
     vectors = [("a_scale", a_scale, ((m, 1), (m,)), (torch.float32,)),
                ("w_scale", w_scale, ((n,), (1, n)), (torch.float32,))]
     if bias is not None:
-        vectors.append(("bias", bias, ((n,),), IN_DTYPES))
+        vectors.append(("bias", bias, ((n,),), ROW_DTYPES))
     for name, t, shapes, dtypes in vectors:
         if not isinstance(t, torch.Tensor) or tuple(t.shape) not in shapes or t.dtype not in dtypes:
             got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
@@ -485,12 +469,9 @@ def int8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: t
     """`activation(x) @ W.T + bias` with x quantized per row to INT8: x (..., K) -> (..., N) in `out_dtype`
     (default x's); `w`, `w_scale` from `quantize_weight_int8`."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    n, k = w.shape
-    if x.shape[-1] != k:
-        raise ValueError(f"x's last dim is {x.shape[-1]}; allowed: {k} (the weight's in_features)")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
-    if x2.shape[0] == 0:
-        return torch.empty((*lead, n), dtype=out_dtype, device=x.device)
-    codes, scale = quantize_rows_int8(x2, activation=activation)
-    return int8_matmul(codes, scale, w, w_scale, bias, out_dtype).reshape(*lead, n)
+
+    def product(x2: torch.Tensor) -> torch.Tensor:
+        codes, scale = quantize_rows_int8(x2, activation=activation)
+        return int8_matmul(codes, scale, w, w_scale, bias, out_dtype)
+
+    return over_rows(x, w.shape[1], w.shape[0], out_dtype, product)

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .rows import over_rows
+
 BLOCK = 16
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
@@ -131,16 +133,13 @@ def nvfp4_linear(x: torch.Tensor, wq: NvFp4Tensor, bias: torch.Tensor | None = N
         raise NotImplementedError("no native NVFP4 GEMM path: FP4 _scaled_mm needs sm_100+ and is untested here; "
                                   "use emulate=True")
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    n, k = wq.shape
-    if x.shape[-1] != k:
-        raise ValueError(f"x's last dim is {x.shape[-1]}; allowed: {k} (the weight's in_features)")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
-    if x2.shape[0] == 0:
-        return torch.empty((*lead, n), dtype=out_dtype, device=x.device)
-    xq = quantize_nvfp4(x2)
-    acc = _block_dequantized(xq) @ _block_dequantized(wq).t()       # fp32 accumulation of exact products
-    out = acc * (xq.global_scale * wq.global_scale)
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(out_dtype).reshape(*lead, n)
+
+    def product(x2: torch.Tensor) -> torch.Tensor:
+        xq = quantize_nvfp4(x2)
+        acc = _block_dequantized(xq) @ _block_dequantized(wq).t()       # fp32 accumulation of exact products
+        out = acc * (xq.global_scale * wq.global_scale)
+        if bias is not None:
+            out = out + bias.float()
+        return out.to(out_dtype)
+
+    return over_rows(x, wq.shape[1], wq.shape[0], out_dtype, product)

@@ -8,8 +8,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .sage2_quant import (Sage2Staged, interpreter_active, quantize_qkv, round_to_bf16, round_to_e4m3,
-                          staging_layout, validate_inputs)
+from .activation import round_to_bf16
+from .sage2_quant import (Sage2Staged, interpreter_active, quantize_qkv, round_to_e4m3, staging_layout,
+                          validate_inputs)
 from .staging import StagingKey, StagingPool
 
 __all__ = ["sage2_attention", "sage2_attention_staged", "default_config", "quantize_qkv", "Sage2Staged",

@@ -157,14 +157,6 @@ def round_to_e4m3(x):
 
 
 @triton.jit
-def round_to_bf16(x):
-    """Round fp32 to the nearest-even bf16 value, in fp32 (the interpreter's fp32->bf16 cast truncates)."""
-    bits = x.to(tl.int32, bitcast=True)
-    bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _kv_stats_kernel(K, V, KSUM, VMAX,
                      stride_kb, stride_kh, stride_ks, stride_kd,
                      stride_vb, stride_vh, stride_vs, stride_vd,
