@@ -14,12 +14,12 @@ from .adapters.patches import GlobalPatch
 from .adapters.ffn import FfnCapture, FfnRoute, find_ffn_sites, find_projection_sites
 from .adapters.router import AttentionRouter
 from .catalog import Catalog, build_form
-from .decide import GateOptions, TimingCache, decide_shape
+from .decide import Decisions, GateOptions
 from .decide_ffn import decide_ffn_site
 from .environment import environment
 from .forms.base import AttentionForm, Runner
 from .kernels.staging import StagingKey, StagingPool
-from .plan import Plan, ShapeRecord, SiteRecord
+from .plan import Plan, SiteRecord
 from .profiles import get_profile
 
 Example = dict[str, Any] | tuple[Any, ...] | list[Any] | Callable[[], Any]
@@ -85,6 +85,8 @@ def attach(model: nn.Module, example: Example, *, attention_forms: Sequence[str]
 
     installation = _install_router(adapter, modules)
     router = installation.router
+    decisions = Decisions(forms, options, on_decided=lambda routes: staging.keep_only(_staging_keys(routes)))
+    router.on_capture = decisions  # each new shape is gated as calibration meets it, then released
     capture = FfnCapture(ffn_modules)
     capture.start()
     ffn_routes: list[FfnRoute] = []
@@ -93,14 +95,13 @@ def attach(model: nn.Module, example: Example, *, attention_forms: Sequence[str]
         with torch.no_grad():
             run_example()
         capture.stop()
-        records, routes, timings = [], {}, TimingCache()
+        router.on_capture = None
+        records, routes = [], {}
         uncalled = adapter.uncalled_reason(model)
         for site in _site_names(modules, router, adapter.discovered):
-            stage = f"gating site {site}"
-            record, site_routes = _decide_site(site, router, forms, options, timings, uncalled)
+            counts = {key: entry.count for key, entry in router.captured.get(site, {}).items()}
+            record, routes[site] = decisions.site_record(site, counts, uncalled)
             records.append(record)
-            routes[site] = site_routes
-            staging.keep_only(_staging_keys(routes))  # what the gates tried and did not bind is freed
         for path, module in ffn_modules.items():
             stage = f"gating feed-forward site {path}"
             decision = decide_ffn_site(module, capture.inputs.get(path, {}), capture.counts.get(path, {}),
@@ -121,6 +122,9 @@ def attach(model: nn.Module, example: Example, *, attention_forms: Sequence[str]
         if adapter.discovered:
             installation.prune({r.name.rsplit("#", 1)[0] for r in records if r.kind == "attention"})
     except BaseException as exc:
+        if decisions.current is not None:
+            stage = f"gating site {decisions.current} during the calibration call"
+        router.on_capture = None
         _reverter(installation, forms, ffn_routes, staging)()
         capture.release()
         if not isinstance(exc, Exception):
@@ -223,21 +227,6 @@ def _counts(router_counts, ffn_routes: list[FfnRoute], attr: str) -> dict[str, i
 def _some(modules: dict[str, nn.Module]) -> str:
     names = list(modules)
     return (", ".join(names[:8]) + (" ..." if len(names) > 8 else "")) or "(none)"
-
-
-def _decide_site(site: str, router: AttentionRouter, forms: list[AttentionForm], options: GateOptions,
-                 timings: TimingCache, uncalled: str) -> tuple[SiteRecord, dict]:
-    captured = router.captured.get(site, {})
-    shapes: list[ShapeRecord] = []
-    routes: dict = {}
-    for key, entry in captured.items():
-        record, runner = decide_shape(site, entry, forms, options, timings)
-        shapes.append(record)
-        if runner is not None and entry.call is not None:
-            routes[key] = runner
-    if not shapes:
-        shapes.append(ShapeRecord("-", 0, "host", reason=uncalled))
-    return SiteRecord(site, shapes), routes
 
 
 def _site_names(modules: dict[str, nn.Module], router: AttentionRouter, discovered: bool) -> list[str]:

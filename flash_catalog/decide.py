@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -10,7 +11,7 @@ from .adapters.router import CapturedCall
 from .calls import ShapeKey, dims
 from .forms.base import AttentionForm, Runner
 from .gate import Accuracy, Timing, measure_accuracy, paired_speedup
-from .plan import ShapeRecord
+from .plan import ShapeRecord, SiteRecord
 from .qualify import qualify
 from .specs import AccuracyFloor, Spec
 
@@ -164,3 +165,37 @@ def _measure(form: AttentionForm, site: str, captured: CapturedCall, host_out: t
         timed_at = f", timed at {origin}" if origin != site else ""
     figures = f"{timing.speedup:.3f}x ({timing.host_ms:.3f} -> {timing.form_ms:.3f} ms{timed_at})"
     return _Candidate(form, runner, accuracy, timing, figures)
+
+
+@dataclass
+class Decisions:
+    """Decides each (site, shape) when calibration first meets it (the router's `on_capture`), so calibration
+    holds one shape's tensors at a time instead of every site's; `site_record` assembles the plan's records."""
+
+    forms: list[AttentionForm]
+    options: GateOptions
+    timings: TimingCache = field(default_factory=TimingCache)
+    on_decided: Callable[[dict[str, dict[ShapeKey, Runner]]], None] | None = None  # e.g. free unbound staging
+    shapes: dict[str, dict[object, ShapeRecord]] = field(default_factory=dict)
+    routes: dict[str, dict[ShapeKey, Runner]] = field(default_factory=dict)
+    current: str | None = None  # the site being gated, for error messages
+
+    def __call__(self, site: str, key: object, captured: CapturedCall) -> None:
+        self.current = site
+        record, runner = decide_shape(site, captured, self.forms, self.options, self.timings)
+        self.shapes.setdefault(site, {})[key] = record
+        if runner is not None and captured.call is not None:
+            self.routes.setdefault(site, {})[key] = runner
+        if self.on_decided is not None:
+            self.on_decided(self.routes)
+        self.current = None
+
+    def site_record(self, site: str, counts: dict[object, int], uncalled: str) -> tuple[SiteRecord, dict]:
+        """The site's record (call counts from the whole calibration) and its bound runners per shape."""
+        shapes = []
+        for key, record in self.shapes.get(site, {}).items():
+            record.calls = counts.get(key, record.calls)
+            shapes.append(record)
+        if not shapes:
+            shapes.append(ShapeRecord("-", 0, "host", reason=uncalled))
+        return SiteRecord(site, shapes), self.routes.get(site, {})

@@ -57,10 +57,15 @@ DISPATCH_SIGNATURE = CallSignature(
 class CapturedCall:
     """The first call seen at one shape key of a site: canonical call, and the host's exact invocation."""
 
-    call: AttentionCall | None  # None when the inputs cannot be put in canonical form
-    host: Callable[[], torch.Tensor]
+    call: AttentionCall | None  # None when the inputs cannot be put in canonical form, or once released
+    host: Callable[[], torch.Tensor] | None
     problem: str | None
     count: int = 1
+
+    def release(self) -> None:
+        """Drop the tensors (the call and the host's invocation); the count and the problem stay."""
+        self.call = None
+        self.host = None
 
 
 @dataclass
@@ -75,6 +80,9 @@ class AttentionRouter:
     """Per-plan router state: capture during calibration, then route bound shapes and guard the rest."""
 
     mode: str = "capture"  # capture | route | off
+    # called with (site, key, call) at each new shape key during capture; the call is released afterwards,
+    # so calibration holds one shape's tensors at a time
+    on_capture: Callable[[str, ShapeKey | str, CapturedCall], None] | None = None
     masks: MaskCache = field(default_factory=MaskCache)
     captured: dict[str, dict[ShapeKey | str, CapturedCall]] = field(default_factory=dict)
     routes: dict[str, dict[ShapeKey, Runner]] = field(default_factory=dict)
@@ -141,8 +149,12 @@ class AttentionRouter:
         if key in site_calls:
             site_calls[key].count += 1
         else:
-            site_calls[key] = CapturedCall(call, lambda: original(*args, **kwargs),
-                                           problem or (call.unroutable() if call else None))
+            entry = CapturedCall(call, lambda: original(*args, **kwargs),
+                                 problem or (call.unroutable() if call else None))
+            site_calls[key] = entry
+            if self.on_capture is not None:
+                self.on_capture(site, key, entry)
+                entry.release()
         return original(*args, **kwargs)
 
     def _route(self, site: str, original: Callable[..., torch.Tensor], sig: CallSignature,
