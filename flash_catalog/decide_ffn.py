@@ -1,8 +1,9 @@
 """Deciding one feed-forward site: the first form (in order) that passes at some captured shape binds there.
 
 Per shape: qualify (envelope + the form's rule), gate accuracy against the host module's own output on the
-captured input, then paired timing. A form is built once per site (quantize-on-adopt); a form bound nowhere
-is dropped at once, so everything it allocated is freed.
+captured input, then paired timing, shared by sites of the same architecture at the same input shape
+(`FfnTimings`). A form is built once per site (quantize-on-adopt); a form bound nowhere is dropped at once, so
+everything it allocated is freed.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from .adapters.ffn import FfnKey
 from .calls import dims, dtype_name
 from .decide import GateOptions
 from .forms.ffn_base import FfnForm
-from .gate import measure_accuracy, paired_speedup
+from .gate import Timing, measure_accuracy, paired_speedup
 from .memory import module_tensors, tensor_bytes
 from .plan import ShapeRecord
 from .qualify import qualify_tensor
@@ -30,13 +31,28 @@ class FfnDecision:
     memory: dict[str, int] | None = None
 
 
+@dataclass
+class FfnTimings:
+    """Speed depends on the module's architecture and the input's shape, not on the data: the blocks of a deep
+    model share one timing per (form, architecture, input key); accuracy is still gated at every site."""
+
+    entries: dict[tuple, tuple[Timing, str]] = field(default_factory=dict)
+
+    @staticmethod
+    def key(form: str, module: nn.Module, key: FfnKey) -> tuple:
+        params = tuple((n, tuple(p.shape), p.dtype, p.device.type) for n, p in module.named_parameters())
+        kinds = tuple((type(m).__qualname__, getattr(m, "approximate", None)) for m in module.modules())
+        return form, params, kinds, key
+
+
 def describe_input(x: torch.Tensor) -> str:
     rows = x.numel() // x.shape[-1] if x.dim() else 0
     return f"x={dims(x.shape)} {dtype_name(x.dtype)} rows={rows}"
 
 
 def decide_ffn_site(module: nn.Module, inputs: dict[FfnKey, torch.Tensor], counts: dict[FfnKey, int],
-                    forms: list[FfnForm], options: GateOptions) -> FfnDecision:
+                    forms: list[FfnForm], options: GateOptions, timings: FfnTimings | None = None,
+                    site: str = "") -> FfnDecision:
     if not inputs:
         return FfnDecision([ShapeRecord("-", 0, "host", reason="not called during calibration")])
     if not forms:
@@ -69,11 +85,20 @@ def decide_ffn_site(module: nn.Module, inputs: dict[FfnKey, torch.Tensor], count
                 record.trail.append(f"{form.name}: accuracy {accuracy.describe()} below floor "
                                     f"cos>={floor.min_cosine} err<={floor.max_rel_err} at {shape}")
                 continue
-            with torch.no_grad():
-                timing = paired_speedup(lambda: host(module, x), lambda: built(x), x.device,
-                                        rounds=options.rounds_for(x.device))
+            timing_key = FfnTimings.key(form.name, module, key)
+            cached = timings.entries.get(timing_key) if timings is not None else None
+            if cached is None:
+                with torch.no_grad():
+                    timing = paired_speedup(lambda: host(module, x), lambda: built(x), x.device,
+                                            rounds=options.rounds_for(x.device))
+                if timings is not None:
+                    timings.entries[timing_key] = (timing, site)
+                timed_at = ""
+            else:
+                timing, origin = cached
+                timed_at = f", timed at {origin}"
             need = options.speedup_needed(form.spec)
-            figures = f"{timing.speedup:.3f}x ({timing.host_ms:.3f} -> {timing.form_ms:.3f} ms)"
+            figures = f"{timing.speedup:.3f}x ({timing.host_ms:.3f} -> {timing.form_ms:.3f} ms{timed_at})"
             record.form, record.speedup = form.name, timing.speedup
             record.cosine, record.max_rel_err = accuracy.cosine, accuracy.max_rel_err
             if timing.speedup >= need:

@@ -152,3 +152,25 @@ def test_the_projection_profile_names_its_patterns():
     bound = {s.name for s in plan.sites if s.kind == "ffn" and s.outcome == "bound"}
     assert {"transformer_blocks.0.attn2.to_k", "transformer_blocks.1.ff"} <= bound
     detach(plan)
+
+
+def test_alike_ffn_sites_share_one_timing_and_each_gates_its_own_accuracy(monkeypatch):
+    from flash_catalog import decide_ffn
+
+    timed = []
+    real = decide_ffn.paired_speedup
+
+    def counting(host, form, device, **kw):
+        timed.append(device)
+        return real(host, form, device, **kw)
+
+    monkeypatch.setattr(decide_ffn, "paired_speedup", counting)
+    host = build("ltx2", dtype=torch.bfloat16)
+    plan = attach(host.model, host.inputs(), attention_forms=[], ffn_forms=["fp8_rowwise"], min_speedup=0)
+    first, second = plan.site("transformer_blocks.0.ff"), plan.site("transformer_blocks.1.ff")
+    assert first.outcome == second.outcome == "bound"
+    assert len(timed) == 1  # two blocks of one architecture at one input shape: timed once
+    assert "timed at" not in first.shapes[0].reason
+    assert "timed at transformer_blocks.0.ff" in second.shapes[0].reason
+    assert first.shapes[0].cosine != second.shapes[0].cosine  # accuracy on each site's own weights and input
+    detach(plan)
