@@ -66,8 +66,8 @@ def paired_speedup(host: Callable[[], object], form: Callable[[], object], devic
                    settle_s: float | None = None) -> Timing:
     """Alternate host and form timings round by round; the ratio is the median of per-round ratios.
 
-    Each timed sample repeats the call enough times to last about `min_round_s`, so short calls are not
-    measured as launch noise, and follows an untimed run of the same call lasting about `settle_s` (None:
+    Each timed sample repeats its call enough times to last about `min_round_s` (counted per side), so short
+    calls are not measured as launch noise, and follows an untimed run of the same call lasting about `settle_s` (None:
     `SETTLE_S` for the device type), so each side is timed in its own steady clock and power state. CUDA
     events on GPU, `time.perf_counter` on CPU.
     """
@@ -79,10 +79,11 @@ def paired_speedup(host: Callable[[], object], form: Callable[[], object], devic
         host()
         form()
     host_once, form_once = timer(host, 1), timer(form, 1)
-    reps = min(max(1, int(min_round_s / max(min(host_once, form_once), 1e-7))), 1000)
-    host_settle, form_settle = settle_calls(settle_s, host_once), settle_calls(settle_s, form_once)
+    host_plan = (settle_calls(settle_s, host_once), repeats(min_round_s, host_once))
+    form_plan = (settle_calls(settle_s, form_once), repeats(min_round_s, form_once))
 
-    def sample(fn: Callable[[], object], settle: int) -> float:
+    def sample(fn: Callable[[], object], plan: tuple[int, int]) -> float:
+        settle, reps = plan
         for _ in range(settle):
             fn()
         return timer(fn, reps)
@@ -90,16 +91,22 @@ def paired_speedup(host: Callable[[], object], form: Callable[[], object], devic
     ratios, host_t, form_t = [], [], []
     for r in range(rounds):
         if r % 2 == 0:
-            h = sample(host, host_settle)
-            f = sample(form, form_settle)
+            h = sample(host, host_plan)
+            f = sample(form, form_plan)
         else:
-            f = sample(form, form_settle)
-            h = sample(host, host_settle)
+            f = sample(form, form_plan)
+            h = sample(host, host_plan)
         ratios.append(h / max(f, 1e-12))
         host_t.append(h)
         form_t.append(f)
     return Timing(statistics.median(ratios), statistics.median(host_t) * 1e3,
                   statistics.median(form_t) * 1e3, rounds)
+
+
+def repeats(min_round_s: float, call_s: float, limit: int = 1000) -> int:
+    """Calls per timed sample so that it lasts about `min_round_s` (each side its own: a slow form is not
+    repeated as often as a fast host needs)."""
+    return min(limit, max(1, int(min_round_s / max(call_s, 1e-7))))
 
 
 def settle_calls(settle_s: float, call_s: float, limit: int = 10_000) -> int:

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from flash_catalog.gate import SETTLE_S, paired_speedup, settle_calls
+from flash_catalog.gate import SETTLE_S, paired_speedup, repeats, settle_calls
 
 CPU = torch.device("cpu")
 
@@ -74,3 +74,19 @@ def test_settling_times_the_form_in_its_own_steady_state():
     settled = paired_speedup(host, form, CPU, rounds=3, warmup=1, min_round_s=0.0, settle_s=0.02)
     assert alternating.speedup < 0.6, alternating
     assert settled.speedup > 2.0, settled
+
+
+def test_each_side_repeats_only_as_often_as_its_own_duration_needs():
+    assert repeats(2e-3, 1e-4) == 20 and repeats(2e-3, 0.5) == 1 and repeats(2e-3, 0.0) == 1000
+    calls = {"host": 0, "form": 0}
+
+    def host():
+        calls["host"] += 1
+
+    def form():
+        calls["form"] += 1
+        time.sleep(5e-3)  # slower than min_round_s: one call per sample, however fast the host is
+
+    paired_speedup(host, form, CPU, rounds=3, warmup=1, min_round_s=2e-3, settle_s=0.0)
+    assert calls["form"] == 1 + 1 + 3  # warm-up, the one-call estimate, one per round
+    assert calls["host"] > 3 + 2  # the fast host is repeated within each sample
