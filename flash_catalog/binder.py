@@ -14,8 +14,8 @@ from .adapters.patches import GlobalPatch
 from .adapters.ffn import FfnCapture, FfnRoute, find_ffn_sites, find_projection_sites
 from .adapters.router import AttentionRouter
 from .catalog import Catalog, build_form
-from .decide import Decisions, GateOptions
-from .decide_ffn import FfnTimings, decide_ffn_site
+from .decide import Decisions, GateOptions, TimingCache
+from .decide_ffn import decide_ffn_site
 from .environment import environment
 from .forms.base import AttentionForm, Runner
 from .kernels.staging import StagingKey, StagingPool
@@ -102,7 +102,7 @@ def attach(model: nn.Module, example: Example, *, attention_forms: Sequence[str]
             counts = {key: entry.count for key, entry in router.captured.get(site, {}).items()}
             record, routes[site] = decisions.site_record(site, counts, uncalled)
             records.append(record)
-        ffn_timings = FfnTimings()
+        ffn_timings = TimingCache()
         for path, module in ffn_modules.items():
             stage = f"gating feed-forward site {path}"
             decision = decide_ffn_site(module, capture.inputs.get(path, {}), capture.counts.get(path, {}),

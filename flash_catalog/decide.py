@@ -38,21 +38,28 @@ class GateOptions:
 
 @dataclass
 class TimingCache:
-    """Speed depends on shape, not data: a (form, shape) pair measured at one site serves identical sites.
+    """Speed depends on shape, not data: a timing measured at one site serves every site with the same key.
 
-    A spec with `per_shape = false` is timed once per site, at the first shape the site was called with.
+    Attention keys are (form, shape), or (form, site) for a spec with `per_shape = false`, which is timed once per
+    site at the first shape the site was called with (`attention_key`); feed-forward keys add the module's
+    architecture (`decide_ffn.ffn_timing_key`).
     """
 
-    entries: dict[tuple[str, object], tuple[Timing, str]] = field(default_factory=dict)
+    entries: dict[tuple, tuple[Timing, str]] = field(default_factory=dict)
 
-    def get(self, spec: Spec, site: str, key: ShapeKey) -> tuple[Timing, str] | None:
-        return self.entries.get(self._key(spec, site, key))
-
-    def put(self, spec: Spec, site: str, key: ShapeKey, timing: Timing) -> None:
-        self.entries[self._key(spec, site, key)] = (timing, site)
+    def timed(self, key: tuple, site: str, measure: Callable[[], Timing]) -> tuple[Timing, str]:
+        """The timing for `key`, measured now or reused, and the receipt's note: ", timed at <site>" when
+        another site measured it."""
+        cached = self.entries.get(key)
+        if cached is None:
+            timing = measure()
+            self.entries[key] = (timing, site)
+            return timing, ""
+        timing, origin = cached
+        return timing, (f", timed at {origin}" if origin != site else "")
 
     @staticmethod
-    def _key(spec: Spec, site: str, key: ShapeKey) -> tuple[str, object]:
+    def attention_key(spec: Spec, site: str, key: ShapeKey) -> tuple[str, object]:
         return (spec.name, key if spec.latency.per_shape else site)
 
 
@@ -153,16 +160,10 @@ def _measure(form: AttentionForm, site: str, captured: CapturedCall, host_out: t
         record.trail.append(f"{spec.name}: accuracy {accuracy.describe()} below floor "
                             f"cos>={floor.min_cosine} err<={floor.max_rel_err} at {shape_text}")
         return None
-    key = call.shape_key()
-    cached = timings.get(spec, site, key)
-    if cached is None:
-        timing = paired_speedup(captured.host, lambda: runner(call), call.query.device,
-                                rounds=options.rounds_for(call.query.device))
-        timings.put(spec, site, key, timing)
-        timed_at = ""
-    else:
-        timing, origin = cached
-        timed_at = f", timed at {origin}" if origin != site else ""
+    timing, timed_at = timings.timed(
+        TimingCache.attention_key(spec, site, call.shape_key()), site,
+        lambda: paired_speedup(captured.host, lambda: runner(call), call.query.device,
+                               rounds=options.rounds_for(call.query.device)))
     figures = f"{timing.speedup:.3f}x ({timing.host_ms:.3f} -> {timing.form_ms:.3f} ms{timed_at})"
     return _Candidate(form, runner, accuracy, timing, figures)
 

@@ -2,8 +2,8 @@
 
 Per shape: qualify (envelope + the form's rule), gate accuracy against the host module's own output on the
 captured input, then paired timing, shared by sites of the same architecture at the same input shape
-(`FfnTimings`). A form is built once per site (quantize-on-adopt); a form bound nowhere is dropped at once, so
-everything it allocated is freed.
+(`ffn_timing_key` in a `TimingCache`). A form is built once per site (quantize-on-adopt); a form bound nowhere
+is dropped at once, so everything it allocated is freed.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from torch import nn
 
 from .adapters.ffn import FfnKey
 from .calls import dims, dtype_name
-from .decide import GateOptions
+from .decide import GateOptions, TimingCache
 from .forms.ffn_base import FfnForm
-from .gate import Timing, measure_accuracy, paired_speedup
+from .gate import measure_accuracy, paired_speedup
 from .memory import module_tensors, tensor_bytes
 from .plan import ShapeRecord
 from .qualify import qualify_tensor
@@ -31,18 +31,12 @@ class FfnDecision:
     memory: dict[str, int] | None = None
 
 
-@dataclass
-class FfnTimings:
+def ffn_timing_key(form: str, module: nn.Module, key: FfnKey) -> tuple:
     """Speed depends on the module's architecture and the input's shape, not on the data: the blocks of a deep
     model share one timing per (form, architecture, input key); accuracy is still gated at every site."""
-
-    entries: dict[tuple, tuple[Timing, str]] = field(default_factory=dict)
-
-    @staticmethod
-    def key(form: str, module: nn.Module, key: FfnKey) -> tuple:
-        params = tuple((n, tuple(p.shape), p.dtype, p.device.type) for n, p in module.named_parameters())
-        kinds = tuple((type(m).__qualname__, getattr(m, "approximate", None)) for m in module.modules())
-        return form, params, kinds, key
+    params = tuple((n, tuple(p.shape), p.dtype, p.device.type) for n, p in module.named_parameters())
+    kinds = tuple((type(m).__qualname__, getattr(m, "approximate", None)) for m in module.modules())
+    return form, params, kinds, key
 
 
 def describe_input(x: torch.Tensor) -> str:
@@ -51,8 +45,9 @@ def describe_input(x: torch.Tensor) -> str:
 
 
 def decide_ffn_site(module: nn.Module, inputs: dict[FfnKey, torch.Tensor], counts: dict[FfnKey, int],
-                    forms: list[FfnForm], options: GateOptions, timings: FfnTimings | None = None,
+                    forms: list[FfnForm], options: GateOptions, timings: TimingCache | None = None,
                     site: str = "") -> FfnDecision:
+    timings = TimingCache() if timings is None else timings
     if not inputs:
         return FfnDecision([ShapeRecord("-", 0, "host", reason="not called during calibration")])
     if not forms:
@@ -85,18 +80,11 @@ def decide_ffn_site(module: nn.Module, inputs: dict[FfnKey, torch.Tensor], count
                 record.trail.append(f"{form.name}: accuracy {accuracy.describe()} below floor "
                                     f"cos>={floor.min_cosine} err<={floor.max_rel_err} at {shape}")
                 continue
-            timing_key = FfnTimings.key(form.name, module, key)
-            cached = timings.entries.get(timing_key) if timings is not None else None
-            if cached is None:
-                with torch.no_grad():
-                    timing = paired_speedup(lambda: host(module, x), lambda: built(x), x.device,
-                                            rounds=options.rounds_for(x.device))
-                if timings is not None:
-                    timings.entries[timing_key] = (timing, site)
-                timed_at = ""
-            else:
-                timing, origin = cached
-                timed_at = f", timed at {origin}"
+            with torch.no_grad():
+                timing, timed_at = timings.timed(
+                    ffn_timing_key(form.name, module, key), site,
+                    lambda: paired_speedup(lambda: host(module, x), lambda: built(x), x.device,
+                                           rounds=options.rounds_for(x.device)))
             need = options.speedup_needed(form.spec)
             figures = f"{timing.speedup:.3f}x ({timing.host_ms:.3f} -> {timing.form_ms:.3f} ms{timed_at})"
             record.form, record.speedup = form.name, timing.speedup
