@@ -27,6 +27,7 @@ import os
 import torch
 
 from .activation import ACT_CODE, ROUND_CODE, apply_activation
+from .interpreter import interpreted
 from .rows import check_rows, over_rows
 
 try:  # the torch path below serves every case when triton is absent
@@ -143,14 +144,7 @@ def fused_kernel_serves(x: torch.Tensor) -> bool:
     """True when `quantize_rows_fp8` runs the Triton kernel for this input (else the torch path)."""
     if triton is None or x.dim() != 2 or x.shape[1] > MAX_FUSED_ROW or x.shape[1] == 0:
         return False
-    return x.is_cuda or (x.device.type == "cpu" and _interpreting() and _kernel_interpreted())
-
-
-def _kernel_interpreted() -> bool:
-    """`triton.jit` picks the interpreter when a function is decorated (triton's own `tl.max` & co. at triton's
-    import): CPU tensors run only if TRITON_INTERPRET=1 was set before triton was imported."""
-    from triton.runtime.interpreter import InterpretedFunction
-    return isinstance(_rowwise_fp8_kernel, InterpretedFunction)
+    return x.is_cuda or (x.device.type == "cpu" and _interpreting() and interpreted(_rowwise_fp8_kernel))
 
 
 @torch.no_grad()

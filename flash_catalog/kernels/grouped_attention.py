@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .interpreter import interpreted
+
 __all__ = ["GroupPlan", "build_plan", "grouped_attention", "tma_eligible", "default_config", "candidate_configs",
            "reference_attention", "dense_mask", "interpreter_active", "RULES"]
 
@@ -43,11 +45,7 @@ MAX_HEAD_DIM = 256
 
 def interpreter_active() -> bool:
     """True when this module's kernel was built for Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(_grouped_fwd_kernel, InterpretedFunction)
+    return interpreted(_grouped_fwd_kernel)
 
 
 # ----------------------------------------------------------------------------------------------- kernel

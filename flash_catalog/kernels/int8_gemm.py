@@ -33,6 +33,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .activation import ACT_CODE, ROUND_CODE, activate, apply_activation, round_to_bf16
+from .interpreter import interpreted
 from .rows import ROW_DTYPES, check_rows, over_rows
 
 INT8_MAX = 127.0
@@ -225,16 +226,9 @@ def _int8_matmul_kernel(A, AS, W, WS, BIAS, C, M, N, K, stride_am, stride_wn, st
 # Where the kernels run
 # --------------------------------------------------------------------------------------------------------------------
 
-def _kernels_interpreted() -> bool:
-    """True when the kernels were built for Triton's CPU interpreter: `@triton.jit` decides at decoration, so
-    CPU tensors run the kernels only if TRITON_INTERPRET=1 was set before triton was imported."""
-    from triton.runtime.interpreter import InterpretedFunction
-    return isinstance(_int8_matmul_kernel, InterpretedFunction)
-
-
 def triton_serves(device: torch.device) -> bool:
     """True when the Triton kernels run for tensors on `device` (CUDA, or CPU under the interpreter)."""
-    return device.type == "cuda" or (device.type == "cpu" and _kernels_interpreted())
+    return device.type == "cuda" or (device.type == "cpu" and interpreted(_int8_matmul_kernel))
 
 
 @functools.lru_cache(maxsize=None)
@@ -323,7 +317,8 @@ def quantize_rows_int8(x: torch.Tensor, smooth: torch.Tensor | None = None,
     _quant_rows_kernel[(triton.cdiv(m, block_m),)](
         x, x if smooth is None else smooth, codes, scale, m, k, x.stride(0),
         HAS_SMOOTH=smooth is not None, ACT=ACT_CODE[activation], ROUND=ROUND_CODE[x.dtype],
-        INTERPRET=_kernels_interpreted(), BLOCK_M=block_m, BLOCK_K=block_k, num_warps=warps, enable_fp_fusion=False)
+        INTERPRET=interpreted(_quant_rows_kernel), BLOCK_M=block_m, BLOCK_K=block_k, num_warps=warps,
+        enable_fp_fusion=False)
     return codes, scale
 
 
@@ -459,7 +454,7 @@ def int8_matmul(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
         a_arg, a_scale, w_arg, w_scale, w_scale if bias is None else bias, out, m, n, k,
         a.stride(0), w.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, USE_TMA=cfg["tma"], PERSISTENT=cfg["persistent"],
-        INTERPRETED=_kernels_interpreted(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
+        INTERPRETED=interpreted(_int8_matmul_kernel), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], enable_fp_fusion=False)
     return out
 

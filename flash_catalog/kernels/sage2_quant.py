@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .interpreter import interpreted
 from .staging import StagingPool
 
 LOG2E = 1.0 / math.log(2.0)
@@ -26,11 +27,7 @@ def interpreter_active() -> bool:
     """True when this module's kernels were built for Triton's CPU interpreter (TRITON_INTERPRET=1 at import).
 
     Decided by the kernel objects, not the environment: @triton.jit picks interpreter or compiler when it runs."""
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(_quant_int8_kernel, InterpretedFunction)
+    return interpreted(_quant_int8_kernel)
 
 
 def _staging(key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
