@@ -8,7 +8,8 @@ staging (`do_bench` median) at one shape; a variant that gets much faster names 
 - no_exp2: p = the log2-domain score itself (no MUFU exp2 per score);
 - no_softmax: p = the int32 score as float, no row max (MMAs, the int->float, the e4m3 pack and layout change);
 - no_pv: the P.V MMA is not issued (softmax still runs; its e4m3 P is dropped);
-- no_rescale: the accumulator is not multiplied by alpha per block.
+- no_rescale: the accumulator is not multiplied by alpha per block;
+- loads_only: no MMA and no softmax in the loop: the TMA ring, the barriers and the epilogue alone.
 
 (Removing the ping-pong turn waits is not a variant: the turn barriers' phases then run ahead of the last
 wait, and the kernel hangs.)
@@ -48,6 +49,13 @@ VARIANTS: dict[str, list[tuple[str, str]]] = {
               ("qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk_tok,))",
                "qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk_tok,))")],
     "no_rescale": [("        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)\n", "")],
+    "loads_only": [("m_new = gl.maximum(m_i, gl.max(qk, axis=1).to(gl.float32) * c)", "m_new = m_i"),
+                   ("p = gl.exp2(f * c - gl.expand_dims(m_new - LOG2_P_SCALE, 1))", "p = f"),
+                   ("        qk_tok = warpgroup_mma(q_tile, k_bufs.index(slot).permute((1, 0)), zero_s, use_acc=False, "
+                    "is_async=True)\n", ""),
+                   ("        pv_tok = warpgroup_mma(p8, v_bufs.index(prev).permute((1, 0)), acc, is_async=True)\n", ""),
+                   ("        acc = warpgroup_mma_wait(num_outstanding=0, deps=(pv_tok,))\n", ""),
+                   ("qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk_tok,))", "qk = zero_s")],
 }
 
 

@@ -17,7 +17,7 @@ scales are more accurate than FP8 e4m3 rowwise. Here the scales, the bias and th
   pointer loads with `num_stages` software pipelining (cp.async). Configurations are timed explicitly
   (`CONFIGS`, tools/bench_gemm_int8.py --sweep); `default_config` picks one. Both kernels are compiled with
   `enable_fp_fusion=False`, so no multiply-add is contracted into an FMA and the torch paths match bit for bit
-  (a fused activation excepted: Triton's GELU/SiLU may differ from torch's by an ulp).
+  (a fused activation excepted: it is compiled with FMAs, and Triton's GELU/SiLU may differ from torch's by an ulp).
 
 Without CUDA and without the interpreter, the torch paths serve: `torch._int_mm` (exact int32) and the same fp32
 epilogue. The interpreter's fp32 -> bf16 cast truncates, so the kernels round to nearest even by hand there.
@@ -37,6 +37,8 @@ from .interpreter import interpreted
 from .rows import ROW_DTYPES, check_rows, over_rows
 
 INT8_MAX = 127.0
+MAGIC_FLOAT = tl.constexpr(12582912.0)   # 1.5 * 2^23: adding it rounds |v| < 2^22 to an integer in the mantissa
+MAGIC_INT = tl.constexpr(0x4B400000)     # its bit pattern
 AMAX_FLOOR = 1e-30        # an all-zero row gets this amax: 127 / amax stays finite and the codes are zeros
 MAX_FUSED_ROW = 16384     # longest row the quantisation kernel keeps in registers (longer rows: the torch path)
 MAX_K = 131071            # K * 128 * 128 < 2^31: the int32 accumulator cannot overflow, even with -128 codes
@@ -111,11 +113,14 @@ def _quant_rows_kernel(X, SMOOTH, Q, S, M, K, stride_xm,
     inv = tl.math.div_rn(int8_max, amax)
     scale = tl.math.div_rn(amax, int8_max)
     v = x * inv[:, None]
-    # round half away from zero: truncate, then step by one where the (exact) remainder reaches a half
-    t = v.to(tl.int32)
-    r = v - t.to(tl.float32)
-    t = t + (r >= 0.5).to(tl.int32) - (r <= -0.5).to(tl.int32)
-    t = tl.minimum(tl.maximum(t, -127), 127)
+    # round half away from zero without the conversion pipe: |v| + 1.5 * 2^23 rounds |v| to the nearest even
+    # integer in the low mantissa bits; the exact remainder then moves a tie (r == 0.5, rounded down) up by one
+    a = tl.abs(v)
+    f = a + MAGIC_FLOAT
+    t = f.to(tl.int32, bitcast=True) - MAGIC_INT
+    r = a - (f - MAGIC_FLOAT)
+    t = tl.minimum(t + (r == 0.5).to(tl.int32), 127)
+    t = tl.where(v < 0, -t, t)
     tl.store(Q + rows64[:, None] * K + cols[None, :], t.to(tl.int8), mask=mask)
     tl.store(S + rows, scale, mask=row_ok)
 
@@ -285,12 +290,16 @@ def quantize_rows_int8_torch(x: torch.Tensor, smooth: torch.Tensor | None = None
     return codes, (amax / int8_max).contiguous()
 
 
-def _quant_launch(k: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_K, num_warps): whole rows per program, at least 4K elements per program (fp8_rowwise's
-    measured H200 choice for plain rows of 4096 and 16384: 8 warps)."""
+def _quant_launch(k: int, activation: str | None) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_K, num_warps): whole rows per program, at least 4K elements per program. Measured on an
+    H200 at M=24576 (BENCHMARKS.md): plain rows of 4096 run best at 4 warps; rows of 16384 with a fused GELU
+    (ALU-bound) at 16; 2 or 4 rows per program were slower."""
     block_k = max(16, triton.next_power_of_2(k))
     block_m = max(1, min(64, 4096 // block_k))
-    return block_m, block_k, 4 if block_k * block_m <= 2048 else 8
+    elements = block_k * block_m
+    if elements <= 4096:
+        return block_m, block_k, 4
+    return block_m, block_k, 16 if activation is not None and elements >= 16384 else 8
 
 
 @torch.no_grad()
@@ -313,12 +322,14 @@ def quantize_rows_int8(x: torch.Tensor, smooth: torch.Tensor | None = None,
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m == 0:
         return codes, scale
-    block_m, block_k, warps = _quant_launch(k)
+    block_m, block_k, warps = _quant_launch(k, activation)
+    # FMA contraction only touches the activation (the quantisation has no multiply feeding an add), which
+    # already may differ from torch's by an ulp; it saves about 10% of a fused GELU row's time
     _quant_rows_kernel[(triton.cdiv(m, block_m),)](
         x, x if smooth is None else smooth, codes, scale, m, k, x.stride(0),
         HAS_SMOOTH=smooth is not None, ACT=ACT_CODE[activation], ROUND=ROUND_CODE[x.dtype],
         INTERPRET=interpreted(_quant_rows_kernel), BLOCK_M=block_m, BLOCK_K=block_k, num_warps=warps,
-        enable_fp_fusion=False)
+        enable_fp_fusion=activation is not None)
     return codes, scale
 
 
