@@ -59,6 +59,8 @@ def attach(model: nn.Module, example: Example, *, attention_forms: Sequence[str]
     Feed-forward forms quantize weights, so they run only when named (`ffn_forms=`) or by a `profile`;
     explicit form lists outrank the profile. `projections` (globs) adds matching `nn.Linear` modules, such as
     attention projections, as sites for the feed-forward forms. `sites` keeps only sites matching a glob.
+    `allow_emulation` lets forms with an emulated path run it where their native path cannot (nvfp4_w4a4,
+    nvfp4_attention below Blackwell): for accuracy studies, as the emulations are slower than the host.
     `trust_remote_code` opts in to running code from the Hugging Face Hub for `[hub]` specs: True (any repo)
     or a list of repo ids; without it a hub spec is refused (local builds need no opt-in).
     """
@@ -70,7 +72,8 @@ def attach(model: nn.Module, example: Example, *, attention_forms: Sequence[str]
     _check_options(options)
     trust_remote_code = _check_trust(trust_remote_code)
     run_example = _example_runner(model, example)
-    forms: list[AttentionForm] = [build_form(s, trust_remote_code=trust_remote_code) for s in specs]
+    forms: list[AttentionForm] = [_with_emulation(build_form(s, trust_remote_code=trust_remote_code),
+                                                  allow_emulation) for s in specs]
     staging = StagingPool()  # scratch shared by every site of this attach; detach releases it
     for form in forms:
         form.staging = staging
@@ -212,11 +215,15 @@ def _resolve_profile(profile: str | None, attention_forms: Sequence[str] | None,
     return attention_forms, ffn_forms, projections
 
 
-def _ffn_form(spec, allow_emulation: bool):
-    form = build_form(spec)
+def _with_emulation(form, allow_emulation: bool):
+    """The caller's emulation opt-in, on the forms that have an emulated path."""
     if hasattr(form, "allow_emulation"):
         form.allow_emulation = allow_emulation
     return form
+
+
+def _ffn_form(spec, allow_emulation: bool):
+    return _with_emulation(build_form(spec), allow_emulation)
 
 
 def _counts(router_counts, ffn_routes: list[FfnRoute], attr: str) -> dict[str, int]:

@@ -141,6 +141,7 @@ def _run_check(args: argparse.Namespace) -> int:
 def _describe(spec: Spec) -> str:
     e = spec.envelope
     cap = f" sm>={e.min_capability[0]}{e.min_capability[1]}" if e.min_capability else ""
+    cap += " (below: emulated with allow_emulation)" if e.emulation else ""
     heads = f" head_dims={list(e.head_dims)}" if e.head_dims else ""
     calls = f" masks={list(e.masks)} causal={e.causal} gqa={e.gqa}" if spec.family == "attention_core" else ""
     lines = [

@@ -143,7 +143,7 @@ def _measure(form: AttentionForm, site: str, captured: CapturedCall, host_out: t
     call = captured.call
     assert call is not None
     spec = form.spec
-    verdict = qualify(spec, call, form.rule(call))
+    verdict = qualify(spec, call, form.rule(call), getattr(form, "allow_emulation", False))
     if not verdict.qualified:
         record.trail.append(verdict.reason)
         return None

@@ -21,9 +21,10 @@ class Verdict:
     reason: str = ""
 
 
-def qualify(spec: Spec, call: AttentionCall, extra_rule: str | None = None) -> Verdict:
-    """Check the envelope (then a form's own narrowing rule) against one call."""
-    rule = envelope_rule(spec.envelope, call) or extra_rule
+def qualify(spec: Spec, call: AttentionCall, extra_rule: str | None = None, emulate: bool = False) -> Verdict:
+    """Check the envelope (then a form's own narrowing rule) against one call. `emulate`: the caller allows
+    emulation, which lifts min_capability for envelopes with `emulation = true`."""
+    rule = envelope_rule(spec.envelope, call, emulate) or extra_rule
     if rule is None:
         return Verdict(spec.name, True)
     q = call.host_shape(call.query)
@@ -38,7 +39,7 @@ def qualify_tensor(spec: Spec, x: torch.Tensor, extra_rule: str | None = None) -
     return Verdict(spec.name, False, f"{spec.name}: {rule} at x={dims(x.shape)}")
 
 
-def tensor_rule(env: Envelope, x: torch.Tensor) -> str | None:
+def tensor_rule(env: Envelope, x: torch.Tensor, emulate: bool = False) -> str | None:
     """The first rule about packages, device, capability or dtype that the input breaks, or None."""
     missing = unmet_requirements(env.requires)
     if missing:
@@ -46,19 +47,20 @@ def tensor_rule(env: Envelope, x: torch.Tensor) -> str | None:
     device = x.device
     if device.type not in env.devices:
         return f"device {device.type} not in [{', '.join(env.devices)}]"
-    if device.type == "cuda" and env.min_capability is not None:
+    if device.type == "cuda" and env.min_capability is not None and not (env.emulation and emulate):
         cap = torch.cuda.get_device_capability(device)
         if cap < env.min_capability:
-            return f"compute capability {cap[0]}.{cap[1]} < {env.min_capability[0]}.{env.min_capability[1]}"
+            hint = "; pass allow_emulation=True to run the emulated path" if env.emulation else ""
+            return f"compute capability {cap[0]}.{cap[1]} < {env.min_capability[0]}.{env.min_capability[1]}{hint}"
     dtype = dtype_name(x.dtype)
     if dtype not in env.dtypes:
         return f"dtype {dtype} not in [{', '.join(env.dtypes)}]"
     return None
 
 
-def envelope_rule(env: Envelope, call: AttentionCall) -> str | None:
+def envelope_rule(env: Envelope, call: AttentionCall, emulate: bool = False) -> str | None:
     """The first envelope rule the call breaks, or None."""
-    rule = tensor_rule(env, call.query)
+    rule = tensor_rule(env, call.query, emulate)
     if rule:
         return rule
     for label, d in (("head_dim", call.query.shape[-1]), ("value head_dim", call.value.shape[-1])):

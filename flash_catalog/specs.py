@@ -50,6 +50,7 @@ class Envelope:
     causal: bool = False
     gqa: bool = False
     requires: tuple[str, ...] = ()
+    emulation: bool = False      # the form can emulate below min_capability when the caller allows emulation
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,7 @@ def parse_spec(data: dict[str, Any], path: Path) -> Spec:
 
     env = r.table("envelope")
     r.only_keys("envelope", env, {"devices", "dtypes", "min_capability", "head_dims", "max_head_dim",
-                                  "min_seq", "max_seq", "masks", "causal", "gqa", "requires"})
+                                  "min_seq", "max_seq", "masks", "causal", "gqa", "requires", "emulation"})
     envelope = Envelope(
         devices=r.choices("envelope.devices", DEVICES),
         dtypes=r.choices("envelope.dtypes", DTYPES),
@@ -156,6 +157,7 @@ def parse_spec(data: dict[str, Any], path: Path) -> Spec:
         causal=r.boolean("envelope.causal", default=False),
         gqa=r.boolean("envelope.gqa", default=False),
         requires=r.requirements("envelope.requires"),
+        emulation=r.boolean("envelope.emulation", default=False),
     )
     if hub is not None:
         for mask in envelope.masks:
