@@ -7,7 +7,7 @@ import functools
 import torch
 
 from ..calls import AttentionCall
-from ..kernels.nvfp4_attention import nvfp4_attention
+from ..kernels.nvfp4_attention import native, nvfp4_attention
 from ..masks import ALL_PASS
 from .base import AttentionForm, Runner
 
@@ -18,8 +18,8 @@ def _run(allow_emulation: bool, call: AttentionCall) -> torch.Tensor:
 
 
 class NvFp4Attention(AttentionForm):
-    """Native on sm_100+ (untested: no Blackwell here); below that only with `allow_emulation=True`, which the
-    envelope's `emulation = true` lets lift its capability floor."""
+    """FP4 tensor cores on sm_100+ (untested: no Blackwell here); below that the exact fp16 emulation, only with
+    `allow_emulation=True`, which the envelope's `emulation = true` lets lift its capability floor."""
 
     allow_emulation: bool = False
 
@@ -31,7 +31,6 @@ class NvFp4Attention(AttentionForm):
         return None
 
     def build(self, call: AttentionCall) -> Runner:
-        major, _ = torch.cuda.get_device_capability(call.query.device)
-        mode = "native" if major >= 10 else "emulated tl.dot_scaled"
+        mode = "tl.dot_scaled" if native(call.query.device) else "fp16 emulation"
         detail = f"NVFP4 QK and PV, {mode}" + (", mask dropped" if call.mask_kind == ALL_PASS else "")
         return Runner(functools.partial(_run, self.allow_emulation), detail)

@@ -11,9 +11,12 @@ dim, one fp32 global scale per tensor. The algorithm:
    scales use their range, then e2m1 codes (ties to the even code). The block's P.V (fp32) is added to the
    rescaled accumulator; the end divides by the row sum of the unquantised P and by 448 * 6.
 
-`tl.dot_scaled` runs natively on Blackwell (sm_100+); on Hopper Triton emulates it (operands upcast to bf16), which
-is slower than the host and serves accuracy studies only. Triton's interpreter has no `dot_scaled`, so the kernel
-needs a CUDA device; `nvfp4_attention_reference` is the same algorithm in float64 torch, on any device.
+`tl.dot_scaled` runs natively on Blackwell (sm_100+; not tested here, no such GPU). Below that, and on the CPU
+through Triton's interpreter, the kernel runs an exact emulation behind `allow_emulation=True`: the same NVFP4
+operands decoded to fp16 (exact: at most 2 x 4 significant bits, 2^-10..2688) and multiplied by `tl.dot` with fp32
+accumulation. It is slower than the host and serves accuracy studies. (Triton 3.6's own emulation of
+`dot_scaled` fails to compile e4m3-scaled FP4 operands on Hopper, and its interpreter has no `dot_scaled`.)
+`nvfp4_attention_reference` is the same algorithm in float64 torch.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import triton
 import triton.language as tl
 
 from .nvfp4 import BLOCK, E2M1_MAX, E4M3_MAX, NvFp4Tensor, e2m1_values, quantize_nvfp4, round_to_e2m1, unpack_e2m1
-from .sage2_quant import validate_inputs
+from .interpreter import interpreted
+from .sage2_quant import round_to_e4m3, validate_inputs
 
 LOG2E = 1.0 / math.log(2.0)
 P_SCALE = E4M3_MAX * E2M1_MAX          # P in [0, 1] -> [0, 2688]: its block scales reach e4m3's 448
@@ -62,11 +66,32 @@ def _e2m1_codes(y):
 
 
 @triton.jit
+def _e2m1_value(c):
+    """e2m1 codes (int32 0..15, bit 3 the sign) -> fp32 values 0, 0.5, 1, 1.5, 2, 3, 4, 6 (signed)."""
+    m = c & 7
+    e = m >> 1
+    half = (m & 1).to(tl.float32) * 0.5
+    mag = tl.where(e == 0, half, (1.0 + half) * tl.where(e == 3, 4.0, tl.where(e == 2, 2.0, 1.0)))
+    return tl.where((c & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def _decoded(codes, scales, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """NVFP4 tile -> fp32 [ROWS, COLS]: packed codes [ROWS, COLS/2] (element 2j low nibble) times the e4m3
+    scales [ROWS, COLS/16]; exact (at most 2 x 4 significant bits), so it is exact in fp16 too."""
+    c = codes.to(tl.int32)
+    v = tl.reshape(tl.join(_e2m1_value(c & 15), _e2m1_value(c >> 4)), [ROWS, COLS // 16, 16])
+    return tl.reshape(v * scales.to(tl.float32)[:, :, None], [ROWS, COLS])
+
+
+@triton.jit
 def _nvfp4_attention_kernel(QC, QS, KC, KS, VC, VS, Out, qk_scale, out_scale,
                             stride_ob, stride_oh, stride_os,
                             H_Q, H_KV, SEQ_Q, SEQ_KV, SQ_PAD, SKV_PAD,
                             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            P_SCALE: tl.constexpr):
+                            P_SCALE: tl.constexpr, NATIVE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """NATIVE: both products on tl.dot_scaled (FP4 tensor cores, sm_100+). Otherwise the emulation: the same
+    NVFP4 operands decoded exactly to fp16 and multiplied by tl.dot with fp32 accumulation."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H_Q
@@ -76,36 +101,53 @@ def _nvfp4_attention_kernel(QC, QS, KC, KS, VC, VS, Out, qk_scale, out_scale,
     d2 = tl.arange(0, HEAD_DIM // 2)
     d16 = tl.arange(0, HEAD_DIM // 16)
     d = tl.arange(0, HEAD_DIM)
+    n2 = tl.arange(0, BLOCK_N // 2)
+    n16 = tl.arange(0, BLOCK_N // 16)
     q_rows = (pid_bh * SQ_PAD + rows).to(tl.int64)
     q = tl.load(QC + q_rows[:, None] * (HEAD_DIM // 2) + d2[None, :])               # [BM, D/2] packed along D
     qs = tl.load(QS + q_rows[:, None] * (HEAD_DIM // 16) + d16[None, :])            # [BM, D/16] e4m3
+    if not NATIVE:
+        q16 = _decoded(q, qs, BLOCK_M, HEAD_DIM).to(tl.float16)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     v_rows = (bhk * HEAD_DIM + d).to(tl.int64)
-    for start in range(0, SEQ_KV, BLOCK_N):
+    start = 0
+    while start < SEQ_KV:   # `while`: Triton's interpreter cannot take `range` over runtime bounds
         keys = start + tl.arange(0, BLOCK_N)
         k_rows = (bhk * SKV_PAD + keys).to(tl.int64)
-        kt = tl.load(KC + k_rows[None, :] * (HEAD_DIM // 2) + d2[:, None])          # [D/2, BN] packed along D
         ks = tl.load(KS + k_rows[:, None] * (HEAD_DIM // 16) + d16[None, :])        # [BN, D/16]
-        s = tl.dot_scaled(q, qs, "e2m1", kt, ks, "e2m1") * qk_scale
-        s = tl.where((keys < SEQ_KV)[None, :], s, float("-inf"))
+        if NATIVE:
+            kt = tl.load(KC + k_rows[None, :] * (HEAD_DIM // 2) + d2[:, None])      # [D/2, BN] packed along D
+            s = tl.dot_scaled(q, qs, "e2m1", kt, ks, "e2m1")
+        else:
+            k = tl.load(KC + k_rows[:, None] * (HEAD_DIM // 2) + d2[None, :])       # [BN, D/2]
+            s = tl.dot(q16, tl.trans(_decoded(k, ks, BLOCK_N, HEAD_DIM).to(tl.float16)))
+        s = tl.where((keys < SEQ_KV)[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        # P to NVFP4: one e4m3 scale per 16 keys of a row, e2m1 codes packed in pairs of keys
+        # P to NVFP4: one e4m3 scale per 16 keys of a row (P scaled by 448 * 6 first), e2m1 codes
         pb = tl.reshape(p * P_SCALE, [BLOCK_M, BLOCK_N // 16, 16])
-        ps = tl.math.div_rn(tl.max(pb, 2), tl.full([BLOCK_M, BLOCK_N // 16], 6.0, tl.float32)).to(tl.float8e4nv)
+        ps = tl.math.div_rn(tl.max(pb, 2), tl.full([BLOCK_M, BLOCK_N // 16], 6.0, tl.float32))
+        if INTERPRETED:  # the interpreter's fp32 -> e4m3 cast does not round to nearest even
+            ps = round_to_e4m3(ps)
+        ps = ps.to(tl.float8e4nv)
         psf = ps.to(tl.float32)
-        y = tl.math.div_rn(pb, tl.where(psf > 0, psf, 1.0)[:, :, None])
-        codes = tl.reshape(_e2m1_codes(y), [BLOCK_M, BLOCK_N // 2, 2])
-        lo, hi = tl.split(codes)
-        p4 = (lo | (hi << 4)).to(tl.uint8)                                          # [BM, BN/2]
-        vt = tl.load(VC + v_rows[None, :] * (SKV_PAD // 2) + (start // 2 + tl.arange(0, BLOCK_N // 2))[:, None])
-        vs = tl.load(VS + v_rows[:, None] * (SKV_PAD // 16) + (start // 16 + tl.arange(0, BLOCK_N // 16))[None, :])
-        acc = acc * alpha[:, None] + tl.dot_scaled(p4, ps, "e2m1", vt, vs, "e2m1")
+        codes = _e2m1_codes(tl.math.div_rn(pb, tl.where(psf > 0, psf, 1.0)[:, :, None]))
+        vs = tl.load(VS + v_rows[:, None] * (SKV_PAD // 16) + (start // 16 + n16)[None, :])  # [D, BN/16]
+        vt = tl.load(VC + v_rows[:, None] * (SKV_PAD // 2) + (start // 2 + n2)[None, :])     # [D, BN/2]
+        if NATIVE:
+            lo, hi = tl.split(tl.reshape(codes, [BLOCK_M, BLOCK_N // 2, 2]))
+            p4 = (lo | (hi << 4)).to(tl.uint8)                                      # [BM, BN/2]
+            pv = tl.dot_scaled(p4, ps, "e2m1", tl.trans(vt), vs, "e2m1")
+        else:
+            p4 = tl.reshape(_e2m1_value(codes) * psf[:, :, None], [BLOCK_M, BLOCK_N]).to(tl.float16)
+            pv = tl.dot(p4, tl.trans(_decoded(vt, vs, HEAD_DIM, BLOCK_N).to(tl.float16)))
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
+        start += BLOCK_N
     out = acc * out_scale / l_i[:, None]
     o_ptrs = (Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
               + rows.to(tl.int64)[:, None] * stride_os + d[None, :])
@@ -120,31 +162,39 @@ def _scales(qn: NvFp4Tensor, kn: NvFp4Tensor, vn: NvFp4Tensor, scale: float | No
             float(vn.global_scale) / P_SCALE)
 
 
+def native(device: torch.device) -> bool:
+    """FP4 tensor cores: tl.dot_scaled runs natively (sm_100+)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= NATIVE_CAPABILITY
+
+
 def device_refusal(device: torch.device, allow_emulation: bool) -> str | None:
     """Why the kernel cannot run on `device` (None: it can)."""
-    if device.type != "cuda":
-        return (f"device {device.type}: the kernel needs CUDA (Triton's interpreter has no tl.dot_scaled); "
-                "nvfp4_attention_reference is the torch emulation")
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) < NATIVE_CAPABILITY and not allow_emulation:
-        return (f"compute capability {major}.{minor} < 10.0 (FP4 tensor cores need Blackwell); pass "
-                "allow_emulation=True to run Triton's emulated tl.dot_scaled (slower than the host)")
-    if (major, minor) < (8, 0):
-        return f"compute capability {major}.{minor} < 8.0: Triton's tl.dot_scaled emulation needs bf16 MMA"
-    return None
+    if native(device):
+        return None
+    hint = "pass allow_emulation=True to run the exact fp16 emulation (slower than the host)"
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if not allow_emulation:
+            return f"compute capability {major}.{minor} < 10.0 (FP4 tensor cores need Blackwell); {hint}"
+        if (major, minor) < (8, 0):
+            return f"compute capability {major}.{minor} < 8.0: the emulation is built for sm_80+"
+        return None
+    if not interpreted(_nvfp4_attention_kernel):
+        return f"device {device.type}: needs CUDA, or the CPU with TRITON_INTERPRET=1 set before triton is imported"
+    return None if allow_emulation else f"device {device.type}: no FP4 tensor cores; {hint}"
 
 
 def nvfp4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
                     allow_emulation: bool = False) -> torch.Tensor:
-    """softmax(q k^T * scale) v with Q, K, V and P in NVFP4, for (B, H, S, D) fp16/bf16 CUDA tensors, D 64 or 128,
-    GQA allowed, not causal. Below sm_100 it raises unless `allow_emulation=True`. The caller's tensors are never
+    """softmax(q k^T * scale) v with Q, K, V and P in NVFP4, for (B, H, S, D) fp16/bf16 tensors, D 64 or 128,
+    GQA allowed, not causal. FP4 tensor cores (tl.dot_scaled) on sm_100+; elsewhere (older GPUs, or the CPU
+    through Triton's interpreter) it raises unless `allow_emulation=True`. The caller's tensors are never
     modified; the output is a new contiguous tensor in q's dtype. Forward only."""
-    if isinstance(q, torch.Tensor) and q.device.type != "cuda":
-        raise ValueError(f"nvfp4_attention cannot run here: {device_refusal(q.device, allow_emulation)}")
+    if isinstance(q, torch.Tensor):
+        why = device_refusal(q.device, allow_emulation)
+        if why is not None:
+            raise ValueError(f"nvfp4_attention cannot run here: {why}")
     validate_inputs(q, k, v, pv="fp16", scale=scale)
-    why = device_refusal(q.device, allow_emulation)
-    if why is not None:
-        raise ValueError(f"nvfp4_attention cannot run here: {why}")
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         raise NotImplementedError("nvfp4_attention is forward-only: call it under torch.no_grad() or on tensors "
                                   "without requires_grad")
@@ -160,7 +210,8 @@ def nvfp4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     _nvfp4_attention_kernel[grid](qn.codes, qn.block_scale, kn.codes, kn.block_scale, vn.codes, vn.block_scale,
                                   out, qk_scale, out_scale, out.stride(0), out.stride(1), out.stride(2),
                                   hq, hkv, sq, skv, sq_pad, skv_pad, HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                                  P_SCALE=P_SCALE, num_warps=4, num_stages=2)
+                                  P_SCALE=P_SCALE, NATIVE=native(q.device),
+                                  INTERPRETED=interpreted(_nvfp4_attention_kernel), num_warps=4)
     return out
 
 
