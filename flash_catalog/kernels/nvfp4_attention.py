@@ -76,12 +76,14 @@ def _e2m1_value(c):
 
 
 @triton.jit
-def _decoded(codes, scales, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """NVFP4 tile -> fp32 [ROWS, COLS]: packed codes [ROWS, COLS/2] (element 2j low nibble) times the e4m3
-    scales [ROWS, COLS/16]; exact (at most 2 x 4 significant bits), so it is exact in fp16 too."""
-    c = codes.to(tl.int32)
-    v = tl.reshape(tl.join(_e2m1_value(c & 15), _e2m1_value(c >> 4)), [ROWS, COLS // 16, 16])
-    return tl.reshape(v * scales.to(tl.float32)[:, :, None], [ROWS, COLS])
+def _decoded(C, S, rows, cols, ROW_BYTES, ROW_SCALES):
+    """NVFP4 elements (rows x cols) -> fp32: packed codes C (element 2j in the low nibble of byte j of its row)
+    times the e4m3 scales S (one per 16 elements). Exact (at most 2 x 4 significant bits, 2^-10..2688), so exact
+    in fp16 too. Element-wise gathers, no reshapes: this is the emulation, not the fast path."""
+    byte = tl.load(C + rows[:, None] * ROW_BYTES + (cols // 2)[None, :]).to(tl.int32)
+    code = (byte >> ((cols % 2) * 4)[None, :]) & 15
+    scale = tl.load(S + rows[:, None] * ROW_SCALES + (cols // 16)[None, :]).to(tl.float32)
+    return _e2m1_value(code) * scale
 
 
 @triton.jit
@@ -104,10 +106,11 @@ def _nvfp4_attention_kernel(QC, QS, KC, KS, VC, VS, Out, qk_scale, out_scale,
     n2 = tl.arange(0, BLOCK_N // 2)
     n16 = tl.arange(0, BLOCK_N // 16)
     q_rows = (pid_bh * SQ_PAD + rows).to(tl.int64)
-    q = tl.load(QC + q_rows[:, None] * (HEAD_DIM // 2) + d2[None, :])               # [BM, D/2] packed along D
-    qs = tl.load(QS + q_rows[:, None] * (HEAD_DIM // 16) + d16[None, :])            # [BM, D/16] e4m3
-    if not NATIVE:
-        q16 = _decoded(q, qs, BLOCK_M, HEAD_DIM).to(tl.float16)
+    if NATIVE:
+        q = tl.load(QC + q_rows[:, None] * (HEAD_DIM // 2) + d2[None, :])           # [BM, D/2] packed along D
+        qs = tl.load(QS + q_rows[:, None] * (HEAD_DIM // 16) + d16[None, :])        # [BM, D/16] e4m3
+    else:
+        q16 = _decoded(QC, QS, q_rows, d, HEAD_DIM // 2, HEAD_DIM // 16).to(tl.float16)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -116,13 +119,13 @@ def _nvfp4_attention_kernel(QC, QS, KC, KS, VC, VS, Out, qk_scale, out_scale,
     while start < SEQ_KV:   # `while`: Triton's interpreter cannot take `range` over runtime bounds
         keys = start + tl.arange(0, BLOCK_N)
         k_rows = (bhk * SKV_PAD + keys).to(tl.int64)
-        ks = tl.load(KS + k_rows[:, None] * (HEAD_DIM // 16) + d16[None, :])        # [BN, D/16]
         if NATIVE:
+            ks = tl.load(KS + k_rows[:, None] * (HEAD_DIM // 16) + d16[None, :])    # [BN, D/16]
             kt = tl.load(KC + k_rows[None, :] * (HEAD_DIM // 2) + d2[:, None])      # [D/2, BN] packed along D
             s = tl.dot_scaled(q, qs, "e2m1", kt, ks, "e2m1")
         else:
-            k = tl.load(KC + k_rows[:, None] * (HEAD_DIM // 2) + d2[None, :])       # [BN, D/2]
-            s = tl.dot(q16, tl.trans(_decoded(k, ks, BLOCK_N, HEAD_DIM).to(tl.float16)))
+            k16 = _decoded(KC, KS, k_rows, d, HEAD_DIM // 2, HEAD_DIM // 16).to(tl.float16)   # [BN, D]
+            s = tl.dot(q16, tl.trans(k16))
         s = tl.where((keys < SEQ_KV)[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.math.exp2(m_i - m_new)
@@ -136,15 +139,16 @@ def _nvfp4_attention_kernel(QC, QS, KC, KS, VC, VS, Out, qk_scale, out_scale,
         ps = ps.to(tl.float8e4nv)
         psf = ps.to(tl.float32)
         codes = _e2m1_codes(tl.math.div_rn(pb, tl.where(psf > 0, psf, 1.0)[:, :, None]))
-        vs = tl.load(VS + v_rows[:, None] * (SKV_PAD // 16) + (start // 16 + n16)[None, :])  # [D, BN/16]
-        vt = tl.load(VC + v_rows[:, None] * (SKV_PAD // 2) + (start // 2 + n2)[None, :])     # [D, BN/2]
         if NATIVE:
+            vs = tl.load(VS + v_rows[:, None] * (SKV_PAD // 16) + (start // 16 + n16)[None, :])  # [D, BN/16]
+            vt = tl.load(VC + v_rows[:, None] * (SKV_PAD // 2) + (start // 2 + n2)[None, :])     # [D, BN/2]
             lo, hi = tl.split(tl.reshape(codes, [BLOCK_M, BLOCK_N // 2, 2]))
             p4 = (lo | (hi << 4)).to(tl.uint8)                                      # [BM, BN/2]
             pv = tl.dot_scaled(p4, ps, "e2m1", tl.trans(vt), vs, "e2m1")
         else:
             p4 = tl.reshape(_e2m1_value(codes) * psf[:, :, None], [BLOCK_M, BLOCK_N]).to(tl.float16)
-            pv = tl.dot(p4, tl.trans(_decoded(vt, vs, HEAD_DIM, BLOCK_N).to(tl.float16)))
+            v16 = _decoded(VC, VS, v_rows, keys, SKV_PAD // 2, SKV_PAD // 16).to(tl.float16)      # [D, BN]
+            pv = tl.dot(p4, tl.trans(v16))
         acc = acc * alpha[:, None] + pv
         m_i = m_new
         start += BLOCK_N
