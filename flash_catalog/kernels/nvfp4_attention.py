@@ -211,11 +211,13 @@ def nvfp4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     qk_scale, out_scale = _scales(qn, kn, vn, scale, d)
     sq_pad, skv_pad = qn.shape[2], kn.shape[2]
     grid = (sq_pad // BLOCK_M, bsz * hq)
+    # 8 warps: with 4, triton 3.6 on the H200 computed D=64 wrong (cosine 0.65 against the reference) in the
+    # in-kernel P quantisation (per-16 reshape and max); 8 warps, or 32-key blocks, measured right (BENCHMARKS.md)
     _nvfp4_attention_kernel[grid](qn.codes, qn.block_scale, kn.codes, kn.block_scale, vn.codes, vn.block_scale,
                                   out, qk_scale, out_scale, out.stride(0), out.stride(1), out.stride(2),
                                   hq, hkv, sq, skv, sq_pad, skv_pad, HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                                   P_SCALE=P_SCALE, NATIVE=native(q.device),
-                                  INTERPRETED=interpreted(_nvfp4_attention_kernel), num_warps=4)
+                                  INTERPRETED=interpreted(_nvfp4_attention_kernel), num_warps=8)
     return out
 
 
