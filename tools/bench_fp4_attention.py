@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_fp4_attention: needs a CUDA device", file=sys.stderr)
         return 2
     cap = torch.cuda.get_device_capability()
-    mode = "native" if cap >= (10, 0) else "emulated tl.dot_scaled"
+    mode = "tl.dot_scaled" if cap >= (10, 0) else "exact fp16 emulation"
     print(f"# {torch.cuda.get_device_name()} sm_{cap[0]}{cap[1]}  torch {torch.__version__}  "
           f"triton {triton.__version__}  fp4: {mode}")
     print(f"{'shape':>16} {'form':>14} {'ms':>9} {'x host':>7} {'cos':>9} {'max rel':>8}")
