@@ -105,19 +105,20 @@ def test_cuda_fp8_ffn_offloads_host_weights_and_restores_them():
         assert torch.equal(host.model(**bigger)[0], fallback)
 
 
-def test_cuda_sage2_op_compiles_and_replays_in_a_cuda_graph():
+@pytest.mark.parametrize("pv", ["fp8", "fp16"])  # on sm_90 fp16 runs the Gluon kernel, fp8 the Triton one
+def test_cuda_sage2_op_compiles_and_replays_in_a_cuda_graph(pv):
     from flash_catalog.kernels.sage2_op import sage2_attention_op
 
     q, k, v = (torch.randn(1, 8, 1024, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    eager = sage2_attention_op(q, k, v, None, "fp8", False)
-    compiled = torch.compile(lambda a, b, c: sage2_attention_op(a, b, c, None, "fp8", False), fullgraph=True)
+    eager = sage2_attention_op(q, k, v, None, pv, False)
+    compiled = torch.compile(lambda a, b, c: sage2_attention_op(a, b, c, None, pv, False), fullgraph=True)
     torch.testing.assert_close(compiled(q, k, v), eager, rtol=0, atol=0)
     static = [t.clone() for t in (q, k, v)]
-    sage2_attention_op(*static, None, "fp8", False)  # warm up (compile the Triton kernels) before capture
+    sage2_attention_op(*static, None, pv, False)  # warm up (compile the kernels) before capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = sage2_attention_op(*static, None, "fp8", False)
+        out = sage2_attention_op(*static, None, pv, False)
     for t, src in zip(static, (q, k, v)):
         t.copy_(src * 0.5)
     graph.replay()
-    torch.testing.assert_close(out, sage2_attention_op(*static, None, "fp8", False), rtol=0, atol=0)
+    torch.testing.assert_close(out, sage2_attention_op(*static, None, pv, False), rtol=0, atol=0)

@@ -47,5 +47,41 @@ def test_gluon_refuses_mismatched_staging():
     with pytest.raises(ValueError, match=r"the Gluon kernel needs staging tiles \(64, 128\); got \(128, 64\)"):
         sage2_gluon_staged(staged, out_dtype=q.dtype)
     fp16 = quantize_qkv(q, q, q, pv="fp16", block_m=64, block_n=128)
-    with pytest.raises(ValueError, match="serves pv='fp8' staging; got pv='fp16'"):
+    with pytest.raises(ValueError, match=r"must hold V as padded fp16: stage it with quantize_qkv\(\.\.\., pv='fp16', "
+                                         r"v_fp16=True\)"):
         sage2_gluon_staged(fp16, out_dtype=q.dtype)
+
+
+@pytest.mark.parametrize("b,hq,hkv,sq,skv,d", [(1, 4, 4, 1000, 777, 128), (2, 6, 2, 333, 1500, 64),
+                                               (1, 2, 1, 64, 129, 128)])
+def test_gluon_fp16_pv_matches_the_triton_kernel_on_the_same_staging(b, hq, hkv, sq, skv, d):
+    from flash_catalog.kernels.sage2_attention import quantize_qkv, sage2_attention_staged
+    from flash_catalog.kernels.sage2_gluon import sage2_gluon_staged, staging_tiles
+    from flash_catalog.kernels.sage2_reference import exact_attention
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(b, hq, sq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(b, hkv, skv, d, device="cuda", dtype=torch.bfloat16, generator=g) + 1.0
+    v = torch.randn(b, hkv, skv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    clones = [t.clone() for t in (q, k, v)]
+    bm, bn = staging_tiles()
+    staged = quantize_qkv(q, k, v, pv="fp16", block_m=bm, block_n=bn, v_fp16=True)
+    assert staged.v.dtype == torch.float16 and staged.v.shape == staged.k8.shape
+    assert torch.equal(staged.v[:, :, :skv], v.half()) and (staged.v[:, :, skv:] == 0).all()
+    out = sage2_gluon_staged(staged, out_dtype=q.dtype)
+    same = sage2_attention_staged(staged, out_dtype=torch.float32, num_warps=4)
+    assert all(torch.equal(t, c) for t, c in zip((q, k, v), clones))
+    assert _rel_l2(out, same) <= 4e-3
+    exact = exact_attention(q, k, v)
+    cos = float(torch.nn.functional.cosine_similarity(out.double().flatten(), exact.double().flatten(), dim=0))
+    assert cos >= 0.9999, cos
+
+
+def test_auto_picks_gluon_for_fp16_only():
+    from flash_catalog.kernels.sage2_attention import choose_kernel
+
+    q = torch.randn(1, 2, 256, 128, device="cuda", dtype=torch.bfloat16)
+    assert choose_kernel(q, "fp16", False) == "gluon"
+    assert choose_kernel(q, "fp8", False) == "triton"
+    assert choose_kernel(q, "fp16", True) == "triton"          # causal: Gluon refuses, Triton serves
+    assert choose_kernel(q[..., :64], "fp16", False) == "triton"

@@ -205,7 +205,7 @@ def test_kernel_choice_names_why_the_gluon_kernel_does_not_serve():
     from flash_catalog.kernels.sage2_attention import gluon_refusal
 
     q = torch.zeros(1, 2, 8, 128, device=DEVICE, dtype=torch.bfloat16)
-    assert gluon_refusal(q, "fp16", False) == "pv='fp16' (it serves 'fp8')"
+    assert gluon_refusal(q, "int4", False) == "pv='int4' (it serves 'fp8' and 'fp16')"
     assert gluon_refusal(q, "fp8", True) == "is_causal (it serves non-causal attention)"
     assert gluon_refusal(q[..., :64], "fp8", False) == "head_dim 64 (it serves 128)"
     assert choose_kernel(q, "fp8", False, "triton") == "triton"
@@ -216,6 +216,7 @@ def test_kernel_choice_names_why_the_gluon_kernel_does_not_serve():
         sage2_attention(q, q, q, kernel="gluon", is_causal=True)
     if DEVICE == "cpu":
         assert gluon_refusal(q, "fp8", False) == "device cpu (it needs sm_90)"
+        assert choose_kernel(q, "fp16", False) == "triton"  # auto: Gluon only where it serves
         with pytest.raises(ValueError, match=r"kernel='gluon' cannot serve this call: device cpu"):
             sage2_attention(q, q, q, kernel="gluon")
     with pytest.raises(ValueError, match="are the Triton kernel's"):

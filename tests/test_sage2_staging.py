@@ -212,3 +212,23 @@ def test_shapes_the_gates_tried_but_did_not_bind_leave_no_staging(tmp_path):
         assert len(plan.staging) == 0 and plan.memory()["staging_bytes"] == 0
     finally:
         detach(plan)
+
+
+def test_fp16_v_staging_for_the_gluon_kernel():
+    """v_fp16=True (the Gluon kernel's fp16 P.V): V is staged as a zero-padded fp16 copy, from the pool."""
+    from flash_catalog.kernels.sage2_quant import quantize_qkv, staging_layout
+
+    layout = staging_layout((1, 2, 70, 64), (1, 1, 100, 64), pv="fp16", block_m=64, block_n=128, v_fp16=True)
+    assert layout["v16"] == ((1, 1, 128, 64), torch.float16)
+    assert "v16" not in staging_layout((1, 2, 70, 64), (1, 1, 100, 64), pv="fp16", block_m=64, block_n=128)
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, h, s, 64, generator=g).to(torch.bfloat16) for h, s in ((2, 70), (1, 100), (1, 100)))
+    clone = v.clone()
+    pool = StagingPool()
+    staged = quantize_qkv(q, k, v, pv="fp16", block_m=64, block_n=128, staging=pool, v_fp16=True)
+    assert staged.v.data_ptr() == pool.get("v16", (1, 1, 128, 64), torch.float16, v.device, "fp16").data_ptr()
+    assert torch.equal(staged.v[:, :, :100], v.half()) and (staged.v[:, :, 100:] == 0).all()
+    assert torch.equal(v, clone)
+    with pytest.raises(ValueError, match="v_fp16=True stages V for pv='fp16'; got pv='fp8'"):
+        quantize_qkv(q, k, v, pv="fp8", block_m=64, block_n=128, v_fp16=True)
+    pool.release()

@@ -1,10 +1,12 @@
 """SageAttention2 Triton kernels vs host SDPA on one GPU: time, TFLOP/s, ratio, accuracy, quantisation share.
 
 Random bf16 inputs (B, H, S, D): B1 H32 S in {4096, 16384, 24576, 32768} D128 and B2 H24 S4096 D64. For each
-shape: host `F.scaled_dot_product_attention` (default backend), `sage2_attention(pv="fp8")` and
-`sage2_attention(pv="fp16")`, each timed with `triton.testing.do_bench` (median), plus the quantisation kernels
-alone (`quantize_qkv`) to give their share of the sage2 time. Accuracy: cosine and relative L2 error against an
-fp32 SDPA reference. TFLOP/s counts 4*B*H*Sq*Skv*D (halved with --causal).
+shape: host `F.scaled_dot_product_attention` (default backend), the Triton kernels `sage2_attention(pv="fp8")`
+and `sage2_attention(pv="fp16")` (tiles given, so the Triton kernel runs) and, with --gluon, the Hopper Gluon
+kernel for both P.V modes (what kernel "auto" runs for pv="fp16" on sm_90), each timed with
+`triton.testing.do_bench` (median), plus the quantisation kernels alone (`quantize_qkv`) to give their share.
+Accuracy: cosine and relative L2 error against an fp32 SDPA reference. TFLOP/s counts 4*B*H*Sq*Skv*D (halved
+with --causal).
 
     python tools/bench_sage.py [--json out.json] [--sweep] [--causal] [--gluon] [--shapes 1x32x24576x128,...]
 """
@@ -66,33 +68,35 @@ def bench(fn, warmup: int, rep: int) -> float:
 
 
 def gluon_rows(q, k, v, host_fn, host_ms, row, warmup: int, rep: int, sweep: bool) -> list[dict]:
-    """The Hopper Gluon ping-pong kernel (pv=fp8, non-causal): full path (quantisation included) and kernel
-    alone; rel_l2_vs_triton compares with the Triton kernel on the same staging (same algorithm)."""
+    """The Hopper Gluon ping-pong kernel (non-causal), P.V in fp8 and in fp16: full path (quantisation included)
+    and kernel alone; rel_l2_vs_triton compares with the Triton kernel on the same staging (same algorithm)."""
     from flash_catalog.kernels.sage2_attention import sage2_attention_staged
     from flash_catalog.kernels.sage2_gluon import sage2_gluon_staged, staging_tiles
     bm, bn = staging_tiles()
     rows = []
-    for st in (GLUON_STAGES if sweep else GLUON_STAGES[:1]):
-        cfg = {"block_m": bm, "block_n": bn, "num_warps": 9, "num_stages": st}
-        try:
-            staged = quantize_qkv(q, k, v, pv="fp8", block_m=bm, block_n=bn)
-            out = sage2_gluon_staged(staged, out_dtype=q.dtype, stages=st)
-            same = sage2_attention_staged(staged, out_dtype=torch.float32, num_warps=4)
-            agree = accuracy(out, same)["rel_l2"]
-            del same
-            fn = lambda: sage2_gluon_staged(quantize_qkv(q, k, v, pv="fp8", block_m=bm, block_n=bn),  # noqa: E731
-                                            out_dtype=q.dtype, stages=st)
-            ms = bench(fn, warmup, rep)
-            gate_ratio = paired_speedup(host_fn, fn, q.device).speedup
-            kernel_ms = bench(lambda: sage2_gluon_staged(staged, out_dtype=q.dtype, stages=st), warmup, rep)
-            r = row("gluon fp8", ms, out, config=cfg, kernel_ms=kernel_ms, quant_ms=ms - kernel_ms,
-                    quant_share=(ms - kernel_ms) / ms, ratio_vs_host=host_ms / ms, rel_l2_vs_triton=agree,
-                    gate_ratio=gate_ratio)
-            del out, staged
-        except Exception as exc:
-            r = row("gluon fp8", float("nan"), None, config=cfg, error=f"{type(exc).__name__}: {exc}"[:300])
-        rows.append(r)
-        torch.cuda.empty_cache()
+    for pv in ("fp8", "fp16"):
+        name = f"gluon {pv}"
+        stage = lambda: quantize_qkv(q, k, v, pv=pv, block_m=bm, block_n=bn, v_fp16=pv == "fp16")  # noqa: E731
+        for st in (GLUON_STAGES if sweep else (None,)):
+            cfg = {"block_m": bm, "block_n": bn, "num_warps": 9, "num_stages": st or (4 if pv == "fp8" else 3)}
+            try:
+                staged = stage()
+                out = sage2_gluon_staged(staged, out_dtype=q.dtype, stages=st)
+                same = sage2_attention_staged(staged, out_dtype=torch.float32, num_warps=4)
+                agree = accuracy(out, same)["rel_l2"]
+                del same
+                fn = lambda: sage2_gluon_staged(stage(), out_dtype=q.dtype, stages=st)  # noqa: E731
+                ms = bench(fn, warmup, rep)
+                gate_ratio = paired_speedup(host_fn, fn, q.device).speedup
+                kernel_ms = bench(lambda: sage2_gluon_staged(staged, out_dtype=q.dtype, stages=st), warmup, rep)
+                r = row(name, ms, out, config=cfg, kernel_ms=kernel_ms, quant_ms=ms - kernel_ms,
+                        quant_share=(ms - kernel_ms) / ms, ratio_vs_host=host_ms / ms, rel_l2_vs_triton=agree,
+                        gate_ratio=gate_ratio)
+                del out, staged
+            except Exception as exc:
+                r = row(name, float("nan"), None, config=cfg, error=f"{type(exc).__name__}: {exc}"[:300])
+            rows.append(r)
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -153,7 +157,7 @@ def run_shape(shape, *, causal: bool, sweep: bool, warmup: int, rep: int, gluon:
         if gluon and not causal:
             rows += gluon_rows(q, k, v, host_fn, host_ms, row, warmup, rep, sweep)
     if sweep:  # mark the fastest config per implementation
-        for impl in ("sage2 fp8", "sage2 fp16", "gluon fp8"):
+        for impl in ("sage2 fp8", "sage2 fp16", "gluon fp8", "gluon fp16"):
             ok = [r for r in rows if r["impl"] == impl and "error" not in r]
             if ok:
                 min(ok, key=lambda r: r["ms"])["best"] = True
@@ -192,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", type=parse_shapes, default=DEFAULT_SHAPES, help="BxHxSxD,... (default: the five)")
     ap.add_argument("--sweep", action="store_true", help="time several tile configs per shape, mark the best")
     ap.add_argument("--causal", action="store_true", help="causal attention (top-left), half the flops")
-    ap.add_argument("--gluon", action="store_true", help="also the Hopper Gluon kernel (fp8, non-causal, sm_90)")
+    ap.add_argument("--gluon", action="store_true",
+                    help="also the Hopper Gluon kernel (fp8 and fp16 P.V, non-causal, sm_90)")
     ap.add_argument("--no-triton", action="store_true", help="skip the Triton-language kernels")
     ap.add_argument("--gate", action="store_true",
                     help="also time sage2 fp8 (kernel auto) against the host with the catalog's paired gate timer")

@@ -30,8 +30,8 @@ KERNELS = ("auto", "triton", "gluon")
 
 def gluon_refusal(q: torch.Tensor, pv: str, is_causal: bool) -> str | None:
     """Why the Hopper Gluon kernel cannot serve this call (None: it can)."""
-    if pv != "fp8":
-        return f"pv={pv!r} (it serves 'fp8')"
+    if pv not in ("fp8", "fp16"):
+        return f"pv={pv!r} (it serves 'fp8' and 'fp16')"
     if is_causal:
         return "is_causal (it serves non-causal attention)"
     if q.shape[-1] != 128:
@@ -46,17 +46,25 @@ def gluon_refusal(q: torch.Tensor, pv: str, is_causal: bool) -> str | None:
 
 
 def choose_kernel(q: torch.Tensor, pv: str, is_causal: bool, kernel: str = "auto") -> str:
-    """"triton" or "gluon". "auto" is the Triton kernel: on the H200 the Gluon ping-pong kernel measured only
-    2% faster (BENCHMARKS.md) and its CUDA-graph and torch.compile path was not verified on a GPU, so it runs
-    only when asked for by name, and only where `gluon_refusal` finds nothing against it."""
+    """"triton" or "gluon". "auto": the Gluon kernel for pv="fp16" where `gluon_refusal` finds nothing against it
+    (on the H200 it measured 1.09x the host at S=24576 where the Triton fp16 kernel measured 0.79x, BENCHMARKS.md),
+    the Triton kernel otherwise (for pv="fp8" the Gluon kernel measured only 2-3% faster). "gluon" by name raises
+    where it cannot serve."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel is {kernel!r}; allowed: {', '.join(KERNELS)}")
-    if kernel != "gluon":
+    if kernel == "triton":
         return "triton"
     why = gluon_refusal(q, pv, is_causal)
+    if kernel == "auto":
+        return "gluon" if pv == "fp16" and why is None else "triton"
     if why is not None:
         raise ValueError(f"kernel='gluon' cannot serve this call: {why}; use kernel='triton' or 'auto'")
     return "gluon"
+
+
+def _v_fp16(pv: str, kernel: str) -> bool:
+    """The Gluon kernel's fp16 P.V reads V as a padded fp16 staging buffer (TMA)."""
+    return pv == "fp16" and kernel == "gluon"
 
 
 def staging_tiles_for(q: torch.Tensor, pv: str, kernel: str) -> tuple[int, int]:
@@ -72,8 +80,9 @@ def staging_keys(q: torch.Tensor, k: torch.Tensor, pv: str = "fp8", is_causal: b
                  kernel: str = "auto") -> tuple[StagingKey, ...]:
     """The pool keys a `sage2_attention(q, k, v, pv=pv, is_causal=is_causal, staging=pool, kernel=kernel)`
     call draws."""
-    bm, bn = staging_tiles_for(q, pv, choose_kernel(q, pv, is_causal, kernel))
-    layout = staging_layout(q.shape, k.shape, pv=pv, block_m=bm, block_n=bn)
+    chosen = choose_kernel(q, pv, is_causal, kernel)
+    bm, bn = staging_tiles_for(q, pv, chosen)
+    layout = staging_layout(q.shape, k.shape, pv=pv, block_m=bm, block_n=bn, v_fp16=_v_fp16(pv, chosen))
     return tuple(StagingKey(name, shape, dtype, q.device, pv) for name, (shape, dtype) in layout.items())
 
 
@@ -258,9 +267,9 @@ def sage2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     after K smoothing either way. is_causal is top-left aligned, like torch SDPA. Forward only (no autograd).
     The caller's tensors are never modified; the output is a new contiguous tensor in q's dtype. With `staging`,
     the quantised operands live in the pool's buffers (see `staging_keys`) instead of fresh memory; the output
-    never does, and nothing of the pool is returned or kept. `kernel="gluon"` runs the Hopper Gluon ping-pong
-    kernel (fp8, non-causal, D128, sm_90); "auto" and "triton" run the Triton kernel, whose tiles are block_m,
-    block_n, num_warps and num_stages."""
+    never does, and nothing of the pool is returned or kept. `kernel`: "gluon" runs the Hopper Gluon ping-pong
+    kernel (non-causal, D128, sm_90), "triton" the Triton kernel (whose tiles are block_m, block_n, num_warps and
+    num_stages), "auto" the choice of `choose_kernel` (Gluon for pv="fp16" where it serves)."""
     validate_inputs(q, k, v, pv=pv, scale=scale)
     if not isinstance(is_causal, bool):
         raise ValueError(f"is_causal is {is_causal!r}; allowed: True, False")
@@ -280,7 +289,7 @@ def sage2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     if q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0:
         return torch.empty((q.shape[0], q.shape[1], q.shape[2], d), dtype=q.dtype, device=q.device)
     staged = quantize_qkv(q, k, v, sm_scale=sm_scale, pv=pv, block_m=bm, block_n=bn, validate=False,
-                          staging=staging)
+                          staging=staging, v_fp16=_v_fp16(pv, chosen))
     if chosen == "gluon":
         from .sage2_gluon import sage2_gluon_staged
         return sage2_gluon_staged(staged, out_dtype=q.dtype)

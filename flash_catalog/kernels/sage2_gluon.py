@@ -2,9 +2,11 @@
 
 What the plain Triton kernel cannot express: warp specialisation (a TMA loader warp feeding a ring of K / V^T
 tiles through mbarriers) and two consumer warpgroups whose asynchronous warpgroup MMAs alternate (FA3's
-ping-pong), each issuing the INT8 Q.K^T of block j with the FP8 P.V of block j-1 and then computing the softmax
-of block j while the P.V runs. Non-causal, pv="fp8", sm_90. It reads `quantize_qkv` staging with 64x128 tiles
-and is checked against the Triton kernel on the GPU (tests/test_sage2_gluon.py).
+ping-pong), each issuing the INT8 Q.K^T of block j with the P.V of block j-1 and then computing the softmax
+of block j while the P.V runs. Non-causal, sm_90. P.V in FP8 (e4m3 P, V^T tiles, per-channel V scales) or, for
+pv="fp16", in fp16 (fp16 P straight from the score registers, V tiles as they are: no byte packing of P, at the
+fp16 MMA's half rate). It reads `quantize_qkv` staging with 64x128 tiles and is checked against the Triton kernel
+on the GPU (tests/test_sage2_gluon.py).
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from .sage2_quant import Sage2Staged
 
 @gluon.jit
 def _softmax_block(qk, m_i, l_i, c, j, SEQ_KV, BLOCK_N: gl.constexpr, s_layout: gl.constexpr,
-                   p_layout: gl.constexpr):
-    """Online softmax of one key block in the log2 domain; P leaves as e4m3 (scaled by 448) in the A layout."""
+                   p_layout: gl.constexpr, p_dtype: gl.constexpr):
+    """Online softmax of one key block in the log2 domain; P leaves as `p_dtype` (e4m3 or fp16, scaled by 448)
+    in the A-operand layout."""
     if (j + 1) * BLOCK_N > SEQ_KV:  # the partial last block: padded keys must not take softmax mass
         cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         sf = gl.where(gl.expand_dims(cols < SEQ_KV, 0), qk.to(gl.float32) * c, float("-inf"))
@@ -36,8 +39,7 @@ def _softmax_block(qk, m_i, l_i, c, j, SEQ_KV, BLOCK_N: gl.constexpr, s_layout: 
         p = gl.exp2(f * c - gl.expand_dims(m_new - LOG2_P_SCALE, 1))
     alpha = gl.exp2(m_i - m_new)
     l_new = l_i * alpha + gl.sum(p, axis=1)
-    p8 = p.to(gl.float8e4nv)
-    return gl.convert_layout(p8, p_layout), m_new, l_new, alpha
+    return gl.convert_layout(p.to(p_dtype), p_layout), m_new, l_new, alpha
 
 
 @gluon.jit
@@ -50,11 +52,13 @@ def _ws_consume(args, wg: gl.constexpr):
     BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
     HEAD_DIM: gl.constexpr = k_bufs.type.shape[2]
     ROWS: gl.constexpr = q_smem.type.shape[1]
+    PV_FP16: gl.constexpr = v_bufs.dtype == gl.float16   # fp16 V tiles are [BLOCK_N, D]; e4m3 ones V^T [D, BLOCK_N]
+    p_dtype: gl.constexpr = gl.float16 if PV_FP16 else gl.float8e4nv
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 32])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 32])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+                                                       instr_shape=[16, HEAD_DIM, 16 if PV_FP16 else 32])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2 if PV_FP16 else 4)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
 
@@ -81,35 +85,44 @@ def _ws_consume(args, wg: gl.constexpr):
     mbarrier.arrive(turn.index(other), count=1)
     qk = warpgroup_mma_wait(num_outstanding=0, deps=(tok,))
     p8, m_i, l_i, alpha = _softmax_block(qk, m_i, l_i, q_scale * gl.load(ks_base), 0, SEQ_KV, BLOCK_N,
-                                         s_layout, p_layout)
+                                         s_layout, p_layout, p_dtype)
     for j in range(1, n_blocks):
         slot = j % STAGES
         prev = (j - 1) % STAGES
         mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
         mbarrier.wait(turn.index(wg), j & 1)
         qk_tok = warpgroup_mma(q_tile, k_bufs.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        pv_tok = warpgroup_mma(p8, v_bufs.index(prev).permute((1, 0)), acc, is_async=True)
+        pv_tok = warpgroup_mma(p8, _v_operand(v_bufs.index(prev), PV_FP16), acc, is_async=True)
         mbarrier.arrive(turn.index(other), count=1)
         c = q_scale * gl.load(ks_base + j)
         qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk_tok,))
-        p8, m_i, l_i, alpha = _softmax_block(qk, m_i, l_i, c, j, SEQ_KV, BLOCK_N, s_layout, p_layout)
+        p8, m_i, l_i, alpha = _softmax_block(qk, m_i, l_i, c, j, SEQ_KV, BLOCK_N, s_layout, p_layout, p_dtype)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(pv_tok,))
         mbarrier.arrive(empty.index(prev), count=1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
     last = (n_blocks - 1) % STAGES
     mbarrier.wait(turn.index(wg), n_blocks & 1)
-    pv_tok = warpgroup_mma(p8, v_bufs.index(last).permute((1, 0)), acc, is_async=True)
+    pv_tok = warpgroup_mma(p8, _v_operand(v_bufs.index(last), PV_FP16), acc, is_async=True)
     mbarrier.arrive(turn.index(other), count=1)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(pv_tok,))
     mbarrier.arrive(empty.index(last), count=1)
 
     offs_d = gl.arange(0, HEAD_DIM, layout=col_o)
-    v_scale = gl.load(VS + bhk * HEAD_DIM + offs_d)
-    out = acc * gl.expand_dims(v_scale, 0) / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
+    if PV_FP16:
+        out = acc / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
+    else:
+        v_scale = gl.load(VS + bhk * HEAD_DIM + offs_d)
+        out = acc * gl.expand_dims(v_scale, 0) / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
     offs_m = tile * ROWS + gl.arange(0, ROWS, layout=row_o)
     ptrs = (Out + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
             + gl.expand_dims(offs_m.to(gl.int64) * stride_os, 1) + gl.expand_dims(offs_d, 0))
     gl.store(ptrs, out.to(Out.dtype.element_ty), mask=gl.expand_dims(offs_m < SEQ_Q, 1))
+
+
+@gluon.jit
+def _v_operand(tile, PV_FP16: gl.constexpr):
+    """The P.V MMA's B operand [BLOCK_N, D]: an fp16 V tile as it is (N-major), an e4m3 V^T tile transposed."""
+    return tile if PV_FP16 else tile.permute((1, 0))
 
 
 @gluon.jit
@@ -146,7 +159,10 @@ def _ws_load(args, loads):
         bar = ready.index(slot)
         mbarrier.expect(bar, k_desc.block_type.nbytes + vt_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [kv_row0 + blk * BLOCK_N, 0], bar, k_bufs.index(slot))
-        tma.async_copy_global_to_shared(vt_desc, [vt_row0, blk * BLOCK_N], bar, v_bufs.index(slot))
+        if v_bufs.dtype == gl.float16:
+            tma.async_copy_global_to_shared(vt_desc, [kv_row0 + blk * BLOCK_N, 0], bar, v_bufs.index(slot))
+        else:
+            tma.async_copy_global_to_shared(vt_desc, [vt_row0, blk * BLOCK_N], bar, v_bufs.index(slot))
 
 
 @gluon.jit
@@ -157,7 +173,7 @@ def _sage2_fp8_fwd_ws(q_desc, k_desc, vt_desc, QS, KS, VS, Out,
     """128 query rows per program: two consumer warpgroups of 64 rows (ping-pong) and a one-warp TMA loader."""
     q_smem = gl.allocate_shared_memory(gl.int8, [2, 64, HEAD_DIM], q_desc.layout)
     k_bufs = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_DIM, BLOCK_N], vt_desc.layout)
+    v_bufs = gl.allocate_shared_memory(vt_desc.dtype, [STAGES] + vt_desc.block_type.shape, vt_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -183,11 +199,15 @@ def _descriptors(staged: Sage2Staged, q_rows: int) -> tuple[TensorDescriptor, Te
     bn = staged.block_n
     q2 = staged.q8.view(bsz * hq * sq_pad, d)
     k2 = staged.k8.view(bsz * hkv * skv_pad, d)
-    vt2 = staged.v.view(bsz * hkv * d, skv_pad)
     layout = gl.NVMMASharedLayout.get_default_for
+    if staged.pv == "fp16":
+        v16 = staged.v.view(bsz * hkv * skv_pad, d)
+        v_desc = TensorDescriptor.from_tensor(v16, [bn, d], layout([bn, d], gl.float16))
+    else:
+        vt2 = staged.v.view(bsz * hkv * d, skv_pad)
+        v_desc = TensorDescriptor.from_tensor(vt2, [d, bn], layout([d, bn], gl.float8e4nv))
     return (TensorDescriptor.from_tensor(q2, [q_rows, d], layout([q_rows, d], gl.int8)),
-            TensorDescriptor.from_tensor(k2, [bn, d], layout([bn, d], gl.int8)),
-            TensorDescriptor.from_tensor(vt2, [d, bn], layout([d, bn], gl.float8e4nv)))
+            TensorDescriptor.from_tensor(k2, [bn, d], layout([bn, d], gl.int8)), v_desc)
 
 
 def staging_tiles() -> tuple[int, int]:
@@ -195,24 +215,31 @@ def staging_tiles() -> tuple[int, int]:
     return 64, 128
 
 
-def sage2_gluon_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, stages: int = 4) -> torch.Tensor:
-    """Run the ping-pong kernel on `quantize_qkv(..., pv="fp8", block_m=64, block_n=128)` staging; returns
-    (B, Hq, Sq, D) in out_dtype. Two consumer warpgroups of 64 query rows alternate their MMAs; a loader warp
-    keeps `stages` K / V^T tiles in flight (4 measured best on the H200, BENCHMARKS.md)."""
-    if staged.pv != "fp8":
-        raise ValueError(f"the Gluon kernel serves pv='fp8' staging; got pv={staged.pv!r}")
+def sage2_gluon_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, stages: int | None = None) -> torch.Tensor:
+    """Run the ping-pong kernel on `quantize_qkv(..., block_m=64, block_n=128)` staging; returns (B, Hq, Sq, D) in
+    out_dtype. Two consumer warpgroups of 64 query rows alternate their MMAs; a loader warp keeps `stages` K / V
+    tiles in flight (default: 4 for pv="fp8", measured best on the H200; 3 for pv="fp16", whose 32 KB V tiles
+    fill shared memory sooner). pv="fp16" needs V staged as fp16 (`quantize_qkv(..., v_fp16=True)`)."""
+    if staged.pv not in ("fp8", "fp16"):
+        raise ValueError(f"the Gluon kernel serves pv='fp8' or 'fp16' staging; got pv={staged.pv!r}")
+    if staged.pv == "fp16" and (staged.v.dtype != torch.float16 or tuple(staged.v.shape) != tuple(staged.k8.shape)
+                                or not staged.v.is_contiguous()):
+        raise ValueError("pv='fp16' staging for the Gluon kernel must hold V as padded fp16: stage it with "
+                         "quantize_qkv(..., pv='fp16', v_fp16=True)")
     if (staged.block_m, staged.block_n) != staging_tiles():
         raise ValueError(f"the Gluon kernel needs staging tiles {staging_tiles()}; got "
                          f"({staged.block_m}, {staged.block_n})")
+    stages = stages if stages is not None else (4 if staged.pv == "fp8" else 3)
     bsz, hq, sq_pad, d = staged.q8.shape
     hkv, skv_pad = staged.k8.shape[1], staged.k8.shape[2]
     bm, bn = staged.block_m, staged.block_n
     out = torch.empty((bsz, hq, staged.seq_q, d), dtype=out_dtype, device=staged.q8.device)
     if out.numel() == 0:
         return out
-    q_desc, k_desc, vt_desc = _descriptors(staged, bm)
+    q_desc, k_desc, v_desc = _descriptors(staged, bm)
+    v_scale = staged.v_scale if staged.v_scale is not None else staged.k_scale  # fp16: unused
     grid = ((sq_pad + 127) // 128, bsz * hq)
-    _sage2_fp8_fwd_ws[grid](q_desc, k_desc, vt_desc, staged.q_scale, staged.k_scale, staged.v_scale, out,
+    _sage2_fp8_fwd_ws[grid](q_desc, k_desc, v_desc, staged.q_scale, staged.k_scale, v_scale, out,
                             out.stride(0), out.stride(1), out.stride(2),
                             hq, hkv, staged.seq_q, staged.seq_kv, sq_pad, skv_pad, sq_pad // bm, skv_pad // bn,
                             BLOCK_N=bn, HEAD_DIM=d, STAGES=stages, num_warps=4, maxnreg=168)

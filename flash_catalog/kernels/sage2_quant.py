@@ -39,10 +39,11 @@ def _staging(key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch
 
 
 def staging_layout(q_shape: Sequence[int], k_shape: Sequence[int], *, pv: str, block_m: int,
-                   block_n: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+                   block_n: int, v_fp16: bool = False) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """The staging buffers `quantize_qkv` uses for these shapes: name -> (shape, dtype), in allocation order.
 
-    Padded to whole tiles of block_m query rows and block_n keys; pv="fp16" stages no V."""
+    Padded to whole tiles of block_m query rows and block_n keys; pv="fp16" stages no V unless `v_fp16` (the
+    Gluon kernel's TMA loads need V as one dense, padded fp16 tensor)."""
     bsz, hq, sq, d = (int(n) for n in q_shape)
     hkv, skv = int(k_shape[1]), int(k_shape[2])
     sq_pad = max(_cdiv(sq, block_m), 1) * block_m
@@ -62,6 +63,8 @@ def staging_layout(q_shape: Sequence[int], k_shape: Sequence[int], *, pv: str, b
     layout["k_scale"] = ((bsz, hkv, skv_pad // block_n), f32)
     if pv == "fp8":
         layout["vt8"] = ((bsz, hkv, d, skv_pad), torch.float8_e4m3fn)
+    elif v_fp16:
+        layout["v16"] = ((bsz, hkv, skv_pad, d), torch.float16)
     return layout
 
 
@@ -126,7 +129,8 @@ class Sage2Staged:
     q_scale: torch.Tensor    # (B, Hq, Sq_pad // block_m) fp32, includes softmax scale * log2(e)
     k8: torch.Tensor         # (B, Hkv, Skv_pad, D) int8 of K - mean_tokens(K)
     k_scale: torch.Tensor    # (B, Hkv, Skv_pad // block_n) fp32
-    v: torch.Tensor          # pv="fp8": (B, Hkv, D, Skv_pad) float8_e4m3fn (V^T); pv="fp16": the caller's V, untouched
+    v: torch.Tensor          # pv="fp8": (B, Hkv, D, Skv_pad) e4m3 V^T; pv="fp16": the caller's V, untouched,
+    #                          or with v_fp16 its zero-padded fp16 copy (B, Hkv, Skv_pad, D)
     v_scale: torch.Tensor | None  # pv="fp8": (B, Hkv, D) fp32, amax/448 per channel; else None
     pv: str
     block_m: int
@@ -294,12 +298,13 @@ def _cdiv(a: int, b: int) -> int:
 
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
                  pv: str = "fp8", block_m: int = 128, block_n: int = 64, num_warps: int | None = None,
-                 validate: bool = True, staging: StagingPool | None = None) -> Sage2Staged:
+                 validate: bool = True, staging: StagingPool | None = None, v_fp16: bool = False) -> Sage2Staged:
     """Stage q, k, v for the SageAttention2 kernel: Q is read once, K and V twice (a stats pass, then quantise).
 
     The caller's tensors are only read. `block_m`/`block_n` must match the attention kernel's tiles: the
     Q and K scales are per tile. With `staging`, the buffers (see `staging_layout`) are the pool's, keyed by
-    variant `pv`: the result is valid only until the pool's next use, so consume it and drop it."""
+    variant `pv`: the result is valid only until the pool's next use, so consume it and drop it. `v_fp16`
+    (pv="fp16"): stage V as a zero-padded fp16 copy (the Gluon kernel's layout) instead of passing it through."""
     if validate:
         validate_inputs(q, k, v, pv=pv, scale=sm_scale)
     for name, blk in (("block_m", block_m), ("block_n", block_n)):
@@ -310,7 +315,9 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale:
     dev = q.device
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(d)
-    layout = staging_layout(q.shape, k.shape, pv=pv, block_m=block_m, block_n=block_n)
+    if v_fp16 and pv != "fp16":
+        raise ValueError(f"v_fp16=True stages V for pv='fp16'; got pv={pv!r}")
+    layout = staging_layout(q.shape, k.shape, pv=pv, block_m=block_m, block_n=block_n, v_fp16=v_fp16)
     buf = {name: _staging(name, shape, dtype, dev, staging, pv) for name, (shape, dtype) in layout.items()}
     sq_pad, skv_pad = buf["q8"].shape[2], buf["k8"].shape[2]
     n_qb, n_kb = sq_pad // block_m, skv_pad // block_n
@@ -353,6 +360,10 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale:
             v, v_inv, vt8, *v.stride(), hkv, skv, skv_pad,
             BLOCK_T=block_n, HEAD_DIM=d, INTERPRETED=exact, num_warps=warps)
         v_out, v_scale_out = vt8, v_scale
+    elif v_fp16:   # |v| > 65504 becomes inf, as in the Triton kernel's per-tile conversion
+        v_out, v_scale_out = buf["v16"], None
+        v_out[:, :, :skv].copy_(v)
+        v_out[:, :, skv:].zero_()
     else:
         v_out, v_scale_out = v, None
     return Sage2Staged(q8=q8, q_scale=q_scale, k8=k8, k_scale=k_scale, v=v_out, v_scale=v_scale_out, pv=pv,
