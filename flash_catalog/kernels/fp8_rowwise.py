@@ -35,6 +35,7 @@ try:  # the torch path below serves every case when triton is absent
     import triton.language as tl
 
     from .activation import activate
+    from .magic import MAGIC_FLOAT
 except ImportError:  # pragma: no cover - triton ships with CUDA builds of torch
     triton = None
     tl = None
@@ -119,7 +120,7 @@ if triton is not None:
             # exact there): round to e4m3 by hand, subnormals sharing the ulp 2^-9 of the exponent 2^-6.
             b = q.to(tl.int32, bitcast=True)
             ulp = ((tl.maximum((b >> 23) & 0xFF, 127 - 6) - 3) << 23).to(tl.float32, bitcast=True)
-            q = ((q / ulp + 12582912.0) - 12582912.0) * ulp       # exact scaling; 1.5 * 2^23 rounds half to even
+            q = ((q / ulp + MAGIC_FLOAT) - MAGIC_FLOAT) * ulp     # exact scaling; the add rounds half to even
         tl.store(XQ + rows64[:, None] * stride_qm + cols[None, :], q.to(tl.float8e4nv), mask=mask)
         tl.store(XS + rows, scale, mask=row_ok)
 

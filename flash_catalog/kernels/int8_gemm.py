@@ -34,11 +34,10 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .activation import ACT_CODE, ROUND_CODE, activate, apply_activation, round_to_bf16
 from .interpreter import interpreted
+from .magic import MAGIC_FLOAT, MAGIC_INT
 from .rows import ROW_DTYPES, check_rows, over_rows
 
 INT8_MAX = 127.0
-MAGIC_FLOAT = tl.constexpr(12582912.0)   # 1.5 * 2^23: adding it rounds |v| < 2^22 to an integer in the mantissa
-MAGIC_INT = tl.constexpr(0x4B400000)     # its bit pattern
 AMAX_FLOOR = 1e-30        # an all-zero row gets this amax: 127 / amax stays finite and the codes are zeros
 MAX_FUSED_ROW = 16384     # longest row the quantisation kernel keeps in registers (longer rows: the torch path)
 MAX_K = 131071            # K * 128 * 128 < 2^31: the int32 accumulator cannot overflow, even with -128 codes

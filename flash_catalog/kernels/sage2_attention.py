@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from .activation import round_to_bf16
+from .magic import MAGIC_FLOAT, MAGIC_INT  # integer -> float without I2F (which issues at exp2's 16/clk/SM)
 from .sage2_quant import (Sage2Staged, interpreter_active, quantize_qkv, round_to_e4m3, staging_layout,
                           validate_inputs)
 from .staging import StagingKey, StagingPool
@@ -89,11 +90,6 @@ def staging_keys(q: torch.Tensor, k: torch.Tensor, pv: str = "fp8", is_causal: b
 # P is produced already scaled by 448 (e4m3's largest finite value): exp2(s - m + log2(448)). The factor cancels in
 # acc / l, so neither P nor the output needs a separate multiply.
 LOG2_P_SCALE = tl.constexpr(math.log2(448.0))
-# Integer -> float without I2F (which issues at the same 16/clk/SM as exp2): for |i| < 2^22, the bits of
-# i + 0x4B400000 are the float 1.5 * 2^23 + i exactly, and subtracting 1.5 * 2^23 leaves float(i) exactly:
-# an integer add and an FADD instead of a conversion.
-MAGIC_INT = tl.constexpr(0x4B400000)
-MAGIC_FLOAT = tl.constexpr(12582912.0)
 
 
 @triton.jit

@@ -18,8 +18,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-# The Triton kernel's constants (the same constexpr type): P scaled by 448 in exp2, int -> float without I2F.
-from .sage2_attention import LOG2_P_SCALE, MAGIC_FLOAT, MAGIC_INT
+from .magic import MAGIC_FLOAT, MAGIC_INT
+# The Triton kernel's constant (the same constexpr type): P scaled by 448 in exp2.
+from .sage2_attention import LOG2_P_SCALE
 from .sage2_quant import Sage2Staged
 
 

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from .interpreter import interpreted
+from .magic import MAGIC_FLOAT
 from .staging import StagingPool
 
 LOG2E = 1.0 / math.log(2.0)
@@ -153,7 +154,7 @@ def round_to_e4m3(x):
     expo = tl.maximum((bits >> 23) & 0xFF, 127 - 6)          # e4m3 subnormals share the ulp of 2^-6
     ulp = ((expo - 3) << 23).to(tl.float32, bitcast=True)    # 3 mantissa bits
     y = x / ulp                                              # exact: ulp is a power of two
-    y = (y + 12582912.0) - 12582912.0                        # 1.5 * 2^23: round half to even
+    y = (y + MAGIC_FLOAT) - MAGIC_FLOAT                      # round half to even
     return y * ulp
 
 
