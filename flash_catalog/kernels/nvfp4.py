@@ -36,7 +36,7 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)   # between consecutive magnitudes
 AMAX_FLOOR = 1e-30
 
-__all__ = ["NvFp4Tensor", "quantize_nvfp4", "dequantize_nvfp4", "nvfp4_linear", "round_to_e2m1",
+__all__ = ["NvFp4Tensor", "quantize_nvfp4", "dequantize_nvfp4", "block_dequantized", "nvfp4_linear", "round_to_e2m1",
            "pack_e2m1", "unpack_e2m1", "E2M1_VALUES", "BLOCK"]
 
 
@@ -113,7 +113,7 @@ def quantize_nvfp4(x: torch.Tensor) -> NvFp4Tensor:
     return NvFp4Tensor(pack_e2m1(codes), block_scale.contiguous(), global_scale.reshape(()), tuple(x.shape))
 
 
-def _block_dequantized(q: NvFp4Tensor) -> torch.Tensor:
+def block_dequantized(q: NvFp4Tensor) -> torch.Tensor:
     """codes x block scales in fp32 (exact: at most 2 x 4 significant bits), global scale not applied."""
     vals = e2m1_values(unpack_e2m1(q.codes))
     vals = vals.reshape(*vals.shape[:-1], -1, BLOCK) * q.block_scale.float()[..., None]
@@ -122,7 +122,7 @@ def _block_dequantized(q: NvFp4Tensor) -> torch.Tensor:
 
 def dequantize_nvfp4(q: NvFp4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """NVFP4 -> `dtype` (values code * block_scale * global_scale, rounded once to `dtype`)."""
-    return (_block_dequantized(q) * q.global_scale).to(dtype)
+    return (block_dequantized(q) * q.global_scale).to(dtype)
 
 
 def nvfp4_linear(x: torch.Tensor, wq: NvFp4Tensor, bias: torch.Tensor | None = None,
@@ -136,7 +136,7 @@ def nvfp4_linear(x: torch.Tensor, wq: NvFp4Tensor, bias: torch.Tensor | None = N
 
     def product(x2: torch.Tensor) -> torch.Tensor:
         xq = quantize_nvfp4(x2)
-        acc = _block_dequantized(xq) @ _block_dequantized(wq).t()       # fp32 accumulation of exact products
+        acc = block_dequantized(xq) @ block_dequantized(wq).t()       # fp32 accumulation of exact products
         out = acc * (xq.global_scale * wq.global_scale)
         if bias is not None:
             out = out + bias.float()

@@ -27,7 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .nvfp4 import BLOCK, E2M1_MAX, E4M3_MAX, NvFp4Tensor, e2m1_values, quantize_nvfp4, round_to_e2m1, unpack_e2m1
+from .nvfp4 import (BLOCK, E2M1_MAX, E4M3_MAX, NvFp4Tensor, block_dequantized, e2m1_values, quantize_nvfp4,
+                    round_to_e2m1)
 from .interpreter import interpreted
 from .sage2_quant import round_to_e4m3, validate_inputs
 
@@ -221,12 +222,6 @@ def nvfp4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     return out
 
 
-def _dequantized(x: NvFp4Tensor) -> torch.Tensor:
-    vals = e2m1_values(unpack_e2m1(x.codes)).double()
-    vals = vals.reshape(*vals.shape[:-1], -1, BLOCK) * x.block_scale.double()[..., None]
-    return vals.reshape(x.shape)
-
-
 @torch.no_grad()
 def nvfp4_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                               scale: float | None = None) -> torch.Tensor:
@@ -237,9 +232,10 @@ def nvfp4_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     hkv, skv = k.shape[1], k.shape[2]
     qn, kn, vn = quantize_attention_inputs(q, k, v)
     qk_scale, out_scale = _scales(qn, kn, vn, scale, d)
-    qd = _dequantized(qn)[:, :, :sq]
-    kd = _dequantized(kn).repeat_interleave(hq // hkv, dim=1)
-    vd = _dequantized(vn).repeat_interleave(hq // hkv, dim=1)                    # (B, Hq, D, Skv_pad)
+    # codes x block scales are exact in fp32 (at most 2 x 4 significant bits), so exact in float64 too
+    qd = block_dequantized(qn).double()[:, :, :sq]
+    kd = block_dequantized(kn).double().repeat_interleave(hq // hkv, dim=1)
+    vd = block_dequantized(vn).double().repeat_interleave(hq // hkv, dim=1)     # (B, Hq, D, Skv_pad)
     m = torch.full((bsz, hq, sq), float("-inf"), dtype=torch.float64, device=q.device)
     l_sum = torch.zeros_like(m)
     acc = torch.zeros((bsz, hq, sq, d), dtype=torch.float64, device=q.device)
