@@ -225,6 +225,7 @@ def test_fp16_v_staging_for_the_gluon_kernel():
     q, k, v = (torch.randn(1, h, s, 64, generator=g).to(torch.bfloat16) for h, s in ((2, 70), (1, 100), (1, 100)))
     clone = v.clone()
     pool = StagingPool()
+    pool.get("v16", (1, 1, 128, 64), torch.float16, v.device, "fp16").fill_(float("nan"))  # a used buffer
     staged = quantize_qkv(q, k, v, pv="fp16", block_m=64, block_n=128, staging=pool, v_fp16=True)
     assert staged.v.data_ptr() == pool.get("v16", (1, 1, 128, 64), torch.float16, v.device, "fp16").data_ptr()
     assert torch.equal(staged.v[:, :, :100], v.half()) and (staged.v[:, :, 100:] == 0).all()

@@ -6,7 +6,7 @@ staging (`do_bench` median) at one shape; a variant that gets much faster names 
 
 - full: the shipped kernel;
 - no_exp2: p = the log2-domain score itself (no MUFU exp2 per score);
-- no_softmax: p = the int32 score as float, no row max (MMAs, the int->float, the e4m3 pack and layout change);
+- no_softmax: p = the int32 score as float, no row max (MMAs, the int->float, P's pack and layout change);
 - no_pv: the P.V MMA is not issued (softmax still runs; its e4m3 P is dropped);
 - no_rescale: the accumulator is not multiplied by alpha per block;
 - loads_only: no MMA and no softmax in the loop: the TMA ring, the barriers and the epilogue alone.
@@ -14,7 +14,7 @@ staging (`do_bench` median) at one shape; a variant that gets much faster names 
 (Removing the ping-pong turn waits is not a variant: the turn barriers' phases then run ahead of the last
 wait, and the kernel hangs.)
 
-    python tools/gluon_ablation.py [--shape 1x32x24576x128] [--only full,no_exp2] [--json ablation.json]
+    python tools/gluon_ablation.py [--shape 1x32x24576x128] [--pv fp8|fp16] [--only full,no_exp2] [--json a.json]
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ from flash_catalog.kernels.sage2_gluon import staging_tiles  # noqa: E402
 
 SOURCE = ROOT / "flash_catalog" / "kernels" / "sage2_gluon.py"
 
+PV_ISSUE = "        pv_tok = warpgroup_mma(p8, _v_operand(v_bufs.index(prev), PV_FP16), acc, is_async=True)\n"
+
 # variant -> [(old, new)]: each `old` must occur in the kernel source
 VARIANTS: dict[str, list[tuple[str, str]]] = {
     "full": [],
@@ -44,7 +46,7 @@ VARIANTS: dict[str, list[tuple[str, str]]] = {
                  "p = f * c - gl.expand_dims(m_new - LOG2_P_SCALE, 1)")],
     "no_softmax": [("m_new = gl.maximum(m_i, gl.max(qk, axis=1).to(gl.float32) * c)", "m_new = m_i"),
                    ("p = gl.exp2(f * c - gl.expand_dims(m_new - LOG2_P_SCALE, 1))", "p = f")],
-    "no_pv": [("        pv_tok = warpgroup_mma(p8, v_bufs.index(prev).permute((1, 0)), acc, is_async=True)\n", ""),
+    "no_pv": [(PV_ISSUE, ""),
               ("        acc = warpgroup_mma_wait(num_outstanding=0, deps=(pv_tok,))\n", ""),
               ("qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk_tok,))",
                "qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk_tok,))")],
@@ -53,7 +55,7 @@ VARIANTS: dict[str, list[tuple[str, str]]] = {
                    ("p = gl.exp2(f * c - gl.expand_dims(m_new - LOG2_P_SCALE, 1))", "p = f"),
                    ("        qk_tok = warpgroup_mma(q_tile, k_bufs.index(slot).permute((1, 0)), zero_s, use_acc=False, "
                     "is_async=True)\n", ""),
-                   ("        pv_tok = warpgroup_mma(p8, v_bufs.index(prev).permute((1, 0)), acc, is_async=True)\n", ""),
+                   (PV_ISSUE, ""),
                    ("        acc = warpgroup_mma_wait(num_outstanding=0, deps=(pv_tok,))\n", ""),
                    ("qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk_tok,))", "qk = zero_s")],
 }
@@ -76,6 +78,7 @@ def load_variant(name: str, workdir: Path):
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="1x32x24576x128", help="BxHxSxD (D 128)")
+    ap.add_argument("--pv", choices=("fp8", "fp16"), default="fp8", help="P.V mode of the staging (default fp8)")
     ap.add_argument("--only", default=",".join(VARIANTS), help="comma-separated variants")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -86,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
     bm, bn = staging_tiles()
-    staged = quantize_qkv(q, k, v, pv="fp8", block_m=bm, block_n=bn)
+    staged = quantize_qkv(q, k, v, pv=args.pv, block_m=bm, block_n=bn, v_fp16=args.pv == "fp16")
     flops = 4.0 * b * h * s * s * d
     rows = []
     workdir = Path(tempfile.mkdtemp())
@@ -101,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<12} {ms:8.3f} {flops / ms / 1e9:7.0f} {(full / ms if full else float('nan')):8.3f}",
               flush=True)
     if args.json:
-        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "shape": args.shape,
+        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "shape": args.shape, "pv": args.pv,
                                          "rows": rows}, indent=2))
     return 0
 

@@ -232,14 +232,16 @@ def _kv_stats_finalize_kernel(KSUM, VMAX, KMEAN, VSCALE, VINV, N_CHUNKS, SEQ_KV,
 
 
 @triton.jit
-def _quant_int8_kernel(X, MEAN, XQ, XS,
+def _quant_int8_kernel(X, MEAN, XQ, XS, V, V16,
                        stride_xb, stride_xh, stride_xs, stride_xd,
+                       stride_vb, stride_vh, stride_vs, stride_vd,
                        H, SEQ, SEQ_PAD, N_BLOCKS, scale_mult,
-                       BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, SUB_MEAN: tl.constexpr):
+                       BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, SUB_MEAN: tl.constexpr, COPY_V: tl.constexpr):
     """One block of BLOCK tokens of one (batch, head): optional mean subtraction, then symmetric INT8 with one scale.
 
     Rows past SEQ are written as zeros (the attention kernel reads the padded buffer without masks); the stored
-    scale is max|x|/127 * scale_mult (scale_mult folds the softmax scale and log2(e) into Q's scale)."""
+    scale is max|x|/127 * scale_mult (scale_mult folds the softmax scale and log2(e) into Q's scale). With COPY_V
+    (K's launch, Gluon fp16 P.V) the same rows of V are copied to the padded fp16 V16 in the same pass."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -262,6 +264,12 @@ def _quant_int8_kernel(X, MEAN, XQ, XS,
     tl.store(out, xq)
     tl.store(XS + pid_bh.to(tl.int64) * N_BLOCKS + pid_m,
              tl.math.div_rn(amax, tl.full([], 127.0, tl.float32)) * scale_mult)
+    if COPY_V:   # |v| > 65504 becomes inf, as in the Triton kernel's per-tile conversion
+        v_ptr = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh \
+            + rows[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd
+        vv = tl.load(v_ptr, mask=valid, other=0.0)
+        tl.store(V16 + pid_bh.to(tl.int64) * SEQ_PAD * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :],
+                 vv.to(tl.float16))
 
 
 @triton.jit
@@ -300,7 +308,8 @@ def _cdiv(a: int, b: int) -> int:
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
                  pv: str = "fp8", block_m: int = 128, block_n: int = 64, num_warps: int | None = None,
                  validate: bool = True, staging: StagingPool | None = None, v_fp16: bool = False) -> Sage2Staged:
-    """Stage q, k, v for the SageAttention2 kernel: Q is read once, K and V twice (a stats pass, then quantise).
+    """Stage q, k, v for the SageAttention2 kernel: Q is read once, K and V twice (a stats pass, then quantise;
+    V's stats pass only for pv="fp8").
 
     The caller's tensors are only read. `block_m`/`block_n` must match the attention kernel's tiles: the
     Q and K scales are per tile. With `staging`, the buffers (see `staging_layout`) are the pool's, keyed by
@@ -345,14 +354,15 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale:
     # 2) Q: per-block INT8, softmax scale * log2(e) folded into the scale.
     q8, q_scale = buf["q8"], buf["q_scale"]
     _quant_int8_kernel[(n_qb, bsz * hq)](
-        q, q, q8, q_scale, *q.stride(), hq, sq, sq_pad, n_qb, float(sm_scale) * LOG2E,
-        BLOCK=block_m, HEAD_DIM=d, SUB_MEAN=False, num_warps=warps)
+        q, q, q8, q_scale, q, q, *q.stride(), *q.stride(), hq, sq, sq_pad, n_qb, float(sm_scale) * LOG2E,
+        BLOCK=block_m, HEAD_DIM=d, SUB_MEAN=False, COPY_V=False, num_warps=warps)
 
-    # 3) K: subtract the token mean (softmax is invariant to it), per-block INT8.
+    # 3) K: subtract the token mean (softmax is invariant to it), per-block INT8; with v_fp16, V's fp16 copy too.
     k8, k_scale = buf["k8"], buf["k_scale"]
+    v16 = buf["v16"] if v_fp16 else k8
     _quant_int8_kernel[(n_kb, bsz * hkv)](
-        k, k_mean, k8, k_scale, *k.stride(), hkv, skv, skv_pad, n_kb, 1.0,
-        BLOCK=block_n, HEAD_DIM=d, SUB_MEAN=True, num_warps=warps)
+        k, k_mean, k8, k_scale, v, v16, *k.stride(), *v.stride(), hkv, skv, skv_pad, n_kb, 1.0,
+        BLOCK=block_n, HEAD_DIM=d, SUB_MEAN=True, COPY_V=v_fp16, num_warps=warps)
 
     # 4) V: per-channel FP8 e4m3, staged as V^T (K-major B operand of the P.V MMA); fp16 mode reads V directly.
     if with_v:
@@ -361,10 +371,8 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale:
             v, v_inv, vt8, *v.stride(), hkv, skv, skv_pad,
             BLOCK_T=block_n, HEAD_DIM=d, INTERPRETED=exact, num_warps=warps)
         v_out, v_scale_out = vt8, v_scale
-    elif v_fp16:   # |v| > 65504 becomes inf, as in the Triton kernel's per-tile conversion
-        v_out, v_scale_out = buf["v16"], None
-        v_out[:, :, :skv].copy_(v)
-        v_out[:, :, skv:].zero_()
+    elif v_fp16:
+        v_out, v_scale_out = v16, None
     else:
         v_out, v_scale_out = v, None
     return Sage2Staged(q8=q8, q_scale=q_scale, k8=k8, k_scale=k_scale, v=v_out, v_scale=v_scale_out, pv=pv,
