@@ -3,7 +3,7 @@
 Random bf16 inputs (B, H, S, D): B1 H32 S in {4096, 16384, 24576, 32768} D128 and B2 H24 S4096 D64. For each
 shape: host `F.scaled_dot_product_attention` (default backend), the Triton kernels `sage2_attention(pv="fp8")`
 and `sage2_attention(pv="fp16")` (tiles given, so the Triton kernel runs) and, with --gluon, the Hopper Gluon
-kernel for both P.V modes (what kernel "auto" runs for pv="fp16" on sm_90), each timed with
+kernel for both P.V modes (what kernel "auto" runs on sm_90 for D128, not causal), each timed with
 `triton.testing.do_bench` (median), plus the quantisation kernels alone (`quantize_qkv`) to give their share.
 Accuracy: cosine and relative L2 error against an fp32 SDPA reference. TFLOP/s counts 4*B*H*Sq*Skv*D (halved
 with --causal).
@@ -41,7 +41,7 @@ SWEEP = {
     64: [(128, 64, 8, 4), (128, 64, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3)],
 }
 
-# Gluon ping-pong kernel: K / V^T stages in flight; the first is the default
+# Gluon kernel: K / V^T stages in flight; the first is the default
 GLUON_STAGES = [4, 3, 2]
 
 
@@ -68,7 +68,7 @@ def bench(fn, warmup: int, rep: int) -> float:
 
 
 def gluon_rows(q, k, v, host_fn, host_ms, row, warmup: int, rep: int, sweep: bool) -> list[dict]:
-    """The Hopper Gluon ping-pong kernel (non-causal), P.V in fp8 and in fp16: full path (quantisation included)
+    """The Hopper Gluon kernel (non-causal), P.V in fp8 and in fp16: full path (quantisation included)
     and kernel alone; rel_l2_vs_triton compares with the Triton kernel on the same staging (same algorithm)."""
     from flash_catalog.kernels.sage2_attention import sage2_attention_staged
     from flash_catalog.kernels.sage2_gluon import sage2_gluon_staged, staging_tiles
@@ -78,7 +78,7 @@ def gluon_rows(q, k, v, host_fn, host_ms, row, warmup: int, rep: int, sweep: boo
         name = f"gluon {pv}"
         stage = lambda: quantize_qkv(q, k, v, pv=pv, block_m=bm, block_n=bn, v_fp16=pv == "fp16")  # noqa: E731
         for st in (GLUON_STAGES if sweep else (None,)):
-            cfg = {"block_m": bm, "block_n": bn, "num_warps": 9, "num_stages": st or (4 if pv == "fp8" else 3)}
+            cfg = {"block_m": bm, "block_n": bn, "num_warps": 9, "num_stages": st or 4}
             try:
                 staged = stage()
                 out = sage2_gluon_staged(staged, out_dtype=q.dtype, stages=st)

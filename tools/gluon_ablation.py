@@ -11,9 +11,6 @@ staging (`do_bench` median) at one shape; a variant that gets much faster names 
 - no_rescale: the accumulator is not multiplied by alpha per block;
 - loads_only: no MMA and no softmax in the loop: the TMA ring, the barriers and the epilogue alone.
 
-(Removing the ping-pong turn waits is not a variant: the turn barriers' phases then run ahead of the last
-wait, and the kernel hangs.)
-
     python tools/gluon_ablation.py [--shape 1x32x24576x128] [--pv fp8|fp16] [--only full,no_exp2] [--json a.json]
 """
 
