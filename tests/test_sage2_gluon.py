@@ -77,11 +77,12 @@ def test_gluon_fp16_pv_matches_the_triton_kernel_on_the_same_staging(b, hq, hkv,
     assert cos >= 0.9999, cos
 
 
-def test_auto_picks_gluon_for_fp16_only():
+def test_auto_picks_gluon_where_it_serves():
     from flash_catalog.kernels.sage2_attention import choose_kernel
 
     q = torch.randn(1, 2, 256, 128, device="cuda", dtype=torch.bfloat16)
     assert choose_kernel(q, "fp16", False) == "gluon"
-    assert choose_kernel(q, "fp8", False) == "triton"
+    assert choose_kernel(q, "fp8", False) == "gluon"
+    assert choose_kernel(q, "fp8", True) == "triton"
     assert choose_kernel(q, "fp16", True) == "triton"          # causal: Gluon refuses, Triton serves
     assert choose_kernel(q[..., :64], "fp16", False) == "triton"

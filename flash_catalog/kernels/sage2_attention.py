@@ -47,9 +47,9 @@ def gluon_refusal(q: torch.Tensor, pv: str, is_causal: bool) -> str | None:
 
 
 def choose_kernel(q: torch.Tensor, pv: str, is_causal: bool, kernel: str = "auto") -> str:
-    """"triton" or "gluon". "auto": the Gluon kernel for pv="fp16" where `gluon_refusal` finds nothing against it
-    (on the H200 it measured 1.09x the host at S=24576 where the Triton fp16 kernel measured 0.79x, BENCHMARKS.md),
-    the Triton kernel otherwise (for pv="fp8" the Gluon kernel measured only 2-3% faster). "gluon" by name raises
+    """"triton" or "gluon". "auto": the Gluon kernel where `gluon_refusal` finds nothing against it (on the H200
+    at S=24576 it measured 1.12x the host for pv="fp16", where the Triton fp16 kernel measured 0.77x, and 1.15x for
+    pv="fp8", 7% faster than the Triton fp8 kernel; BENCHMARKS.md), the Triton kernel otherwise. "gluon" by name raises
     where it cannot serve."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel is {kernel!r}; allowed: {', '.join(KERNELS)}")
@@ -57,7 +57,7 @@ def choose_kernel(q: torch.Tensor, pv: str, is_causal: bool, kernel: str = "auto
         return "triton"
     why = gluon_refusal(q, pv, is_causal)
     if kernel == "auto":
-        return "gluon" if pv == "fp16" and why is None else "triton"
+        return "gluon" if why is None else "triton"
     if why is not None:
         raise ValueError(f"kernel='gluon' cannot serve this call: {why}; use kernel='triton' or 'auto'")
     return "gluon"
@@ -263,9 +263,9 @@ def sage2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     after K smoothing either way. is_causal is top-left aligned, like torch SDPA. Forward only (no autograd).
     The caller's tensors are never modified; the output is a new contiguous tensor in q's dtype. With `staging`,
     the quantised operands live in the pool's buffers (see `staging_keys`) instead of fresh memory; the output
-    never does, and nothing of the pool is returned or kept. `kernel`: "gluon" runs the Hopper Gluon ping-pong
+    never does, and nothing of the pool is returned or kept. `kernel`: "gluon" runs the Hopper Gluon warp-specialised
     kernel (non-causal, D128, sm_90), "triton" the Triton kernel (whose tiles are block_m, block_n, num_warps and
-    num_stages), "auto" the choice of `choose_kernel` (Gluon for pv="fp16" where it serves)."""
+    num_stages), "auto" the choice of `choose_kernel` (Gluon where it serves)."""
     validate_inputs(q, k, v, pv=pv, scale=scale)
     if not isinstance(is_causal, bool):
         raise ValueError(f"is_causal is {is_causal!r}; allowed: True, False")

@@ -1,8 +1,8 @@
 """`torch.ops.flash_catalog.sage2_attention`: the sage2 kernels as a torch custom op, so torch.compile traces
 through it (a fake implementation gives the output's shape) and CUDA graphs can capture it.
 
-The op runs `choose_kernel`'s "auto": the Gluon kernel for pv="fp16" on sm_90 (D128, non-causal), the Triton
-kernel otherwise. `staging` names a `StagingPool` by its handle ("" for none): the quantised operands then live in that
+The op runs `choose_kernel`'s "auto": the Gluon kernel on sm_90 (D128, non-causal), the Triton kernel
+otherwise. `staging` names a `StagingPool` by its handle ("" for none): the quantised operands then live in that
 pool's buffers, which persist between calls (a captured graph replays into the same addresses). The output is
 always a fresh tensor, so the op stays functional: no argument is mutated and nothing returned aliases the pool."""
 
