@@ -232,6 +232,13 @@ def _kv_stats_finalize_kernel(KSUM, VMAX, KMEAN, VSCALE, VINV, N_CHUNKS, SEQ_KV,
 
 
 @triton.jit
+def _token_tile(T, b, h, rows, offs_d, stride_b, stride_h, stride_s, stride_d):
+    """Pointers to rows x offs_d of head (b, h) of a strided (B, H, S, D) tensor (int64 offsets)."""
+    return T + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h \
+        + rows[:, None].to(tl.int64) * stride_s + offs_d[None, :] * stride_d
+
+
+@triton.jit
 def _quant_int8_kernel(X, MEAN, XQ, XS, V, V16,
                        stride_xb, stride_xh, stride_xs, stride_xd,
                        stride_vb, stride_vh, stride_vs, stride_vd,
@@ -249,8 +256,7 @@ def _quant_int8_kernel(X, MEAN, XQ, XS, V, V16,
     rows = pid_m * BLOCK + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, HEAD_DIM)
     valid = (rows < SEQ)[:, None]
-    ptr = X + b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh \
-        + rows[:, None].to(tl.int64) * stride_xs + offs_d[None, :] * stride_xd
+    ptr = _token_tile(X, b, h, rows, offs_d, stride_xb, stride_xh, stride_xs, stride_xd)
     x = tl.load(ptr, mask=valid, other=0.0).to(tl.float32)
     if SUB_MEAN:
         mean = tl.load(MEAN + pid_bh.to(tl.int64) * HEAD_DIM + offs_d)
@@ -260,16 +266,13 @@ def _quant_int8_kernel(X, MEAN, XQ, XS, V, V16,
     y = x * inv
     y = y + tl.where(y >= 0, 0.5, -0.5)   # round half away from zero; the int cast truncates
     xq = y.to(tl.int8)
-    out = XQ + pid_bh.to(tl.int64) * SEQ_PAD * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :]
-    tl.store(out, xq)
+    staged = pid_bh.to(tl.int64) * SEQ_PAD * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :]
+    tl.store(XQ + staged, xq)
     tl.store(XS + pid_bh.to(tl.int64) * N_BLOCKS + pid_m,
              tl.math.div_rn(amax, tl.full([], 127.0, tl.float32)) * scale_mult)
     if COPY_V:   # |v| > 65504 becomes inf, as in the Triton kernel's per-tile conversion
-        v_ptr = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh \
-            + rows[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd
-        vv = tl.load(v_ptr, mask=valid, other=0.0)
-        tl.store(V16 + pid_bh.to(tl.int64) * SEQ_PAD * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :],
-                 vv.to(tl.float16))
+        v_ptr = _token_tile(V, b, h, rows, offs_d, stride_vb, stride_vh, stride_vs, stride_vd)
+        tl.store(V16 + staged, tl.load(v_ptr, mask=valid, other=0.0).to(tl.float16))
 
 
 @triton.jit
@@ -285,8 +288,7 @@ def _quant_v_fp8_kernel(V, VINV, VT8,
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, HEAD_DIM)
     valid = (rows < SEQ_KV)[:, None]
-    ptr = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh \
-        + rows[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd
+    ptr = _token_tile(V, b, h, rows, offs_d, stride_vb, stride_vh, stride_vs, stride_vd)
     x = tl.load(ptr, mask=valid, other=0.0).to(tl.float32)
     inv = tl.load(VINV + pid_bh.to(tl.int64) * HEAD_DIM + offs_d)
     y = tl.minimum(tl.maximum(x * inv[None, :], -448.0), 448.0)
@@ -308,8 +310,8 @@ def _cdiv(a: int, b: int) -> int:
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
                  pv: str = "fp8", block_m: int = 128, block_n: int = 64, num_warps: int | None = None,
                  validate: bool = True, staging: StagingPool | None = None, v_fp16: bool = False) -> Sage2Staged:
-    """Stage q, k, v for the SageAttention2 kernel: Q is read once, K and V twice (a stats pass, then quantise;
-    V's stats pass only for pv="fp8").
+    """Stage q, k, v for the SageAttention2 kernel: Q is read once, K twice (a stats pass, then quantise), V twice
+    for pv="fp8" (stats, then quantise), once with `v_fp16` (copied in K's quantise pass), else not at all.
 
     The caller's tensors are only read. `block_m`/`block_n` must match the attention kernel's tiles: the
     Q and K scales are per tile. With `staging`, the buffers (see `staging_layout`) are the pool's, keyed by
@@ -364,7 +366,8 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale:
         k, k_mean, k8, k_scale, v, v16, *k.stride(), *v.stride(), hkv, skv, skv_pad, n_kb, 1.0,
         BLOCK=block_n, HEAD_DIM=d, SUB_MEAN=True, COPY_V=v_fp16, num_warps=warps)
 
-    # 4) V: per-channel FP8 e4m3, staged as V^T (K-major B operand of the P.V MMA); fp16 mode reads V directly.
+    # 4) V: per-channel FP8 e4m3, staged as V^T (K-major B operand of the P.V MMA); fp16 mode reads V directly
+    #    (the Triton kernel) or its fp16 copy from step 3 (v_fp16, the Gluon kernel).
     if with_v:
         vt8 = buf["vt8"]
         _quant_v_fp8_kernel[(n_kb, bsz * hkv)](
