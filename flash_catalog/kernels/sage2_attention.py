@@ -48,8 +48,8 @@ def gluon_refusal(q: torch.Tensor, pv: str, is_causal: bool) -> str | None:
 
 def choose_kernel(q: torch.Tensor, pv: str, is_causal: bool, kernel: str = "auto") -> str:
     """"triton" or "gluon". "auto": the Gluon kernel where `gluon_refusal` finds nothing against it (on the H200
-    at S=24576 it measured 1.12x the host for pv="fp16", where the Triton fp16 kernel measured 0.77x, and 1.15x for
-    pv="fp8", 7% faster than the Triton fp8 kernel; BENCHMARKS.md), the Triton kernel otherwise. "gluon" by name raises
+    at S=24576 it measured 1.11x the host for pv="fp16", where the Triton fp16 kernel measured 0.78x, and 1.13x for
+    pv="fp8", 5% faster than the Triton fp8 kernel; BENCHMARKS.md), the Triton kernel otherwise. "gluon" by name raises
     where it cannot serve."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel is {kernel!r}; allowed: {', '.join(KERNELS)}")

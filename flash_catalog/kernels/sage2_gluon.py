@@ -3,7 +3,7 @@
 What the plain Triton kernel cannot express: warp specialisation (a TMA loader warp feeding a ring of K / V^T
 tiles through mbarriers) and two consumer warpgroups, each issuing the asynchronous warpgroup MMAs of INT8
 Q.K^T of block j with the P.V of block j-1 and then computing the softmax of block j while the P.V runs. The
-warpgroups issue independently: forcing FA3's ping-pong order with turn barriers measured 1.5-2.7% slower here
+warpgroups issue independently: forcing FA3's ping-pong order with turn barriers measured 1.5-3% slower here
 (each mbarrier operation also costs a warpgroup bar.sync in triton 3.6). Non-causal, sm_90. P.V in FP8 (e4m3
 P, V^T tiles, per-channel V scales) or, for pv="fp16", in fp16 (fp16 P straight from the score registers, V
 tiles as they are: no byte packing of P, at the fp16 MMA's half rate). It reads `quantize_qkv` staging with
