@@ -10,6 +10,24 @@ import torch
 from .masks import MaskInfo
 
 
+class StaticKey(NamedTuple):
+    """What a call's metadata says, and nothing of its values: the part of a verdict that dynamo can guard on by
+    itself (shapes, dtypes, device, the mask's shape and dtype, the static arguments). Routing looks bound calls
+    up by it; a mask's content is checked separately (`mask_check`)."""
+
+    layout: str
+    q: tuple[int, ...]
+    k: tuple[int, ...]
+    v: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    mask_shape: tuple[int, ...] | None
+    mask_dtype: torch.dtype | None
+    is_causal: bool
+    scale: float | None
+    enable_gqa: bool
+
+
 class ShapeKey(NamedTuple):
     """Everything a verdict depends on: a routed call must match a qualified key exactly."""
 
@@ -55,7 +73,8 @@ class AttentionCall:
 
     `layout` is the host's own ("bshd" for diffusers' dispatch, "bhsd" for torch SDPA); `host_only` holds
     arguments that only the host path understands (an explicit backend, a parallel config, ...): a call
-    with any of them set is served by the host.
+    with any of them set is served by the host. `static` holds every non-tensor argument, with which a route
+    calls the host's function where its guard sends a call back.
     """
 
     query: torch.Tensor
@@ -69,6 +88,7 @@ class AttentionCall:
     layout: str
     mask: MaskInfo
     host_only: dict[str, Any] = field(default_factory=dict)
+    static: tuple[tuple[str, Any], ...] = ()  # every non-tensor argument as the host received it
 
     @property
     def mask_kind(self) -> str:
@@ -88,6 +108,13 @@ class AttentionCall:
 
     def to_host_layout(self, out: torch.Tensor) -> torch.Tensor:
         return out.transpose(1, 2) if self.layout == "bshd" else out
+
+    def static_key(self) -> StaticKey:
+        m = self.attn_mask
+        return StaticKey(self.layout, self.host_shape(self.query), self.host_shape(self.key),
+                         self.host_shape(self.value), self.query.dtype, self.query.device,
+                         tuple(m.shape) if m is not None else None, m.dtype if m is not None else None,
+                         self.is_causal, self.scale, self.enable_gqa)
 
     def shape_key(self) -> ShapeKey:
         m = self.attn_mask

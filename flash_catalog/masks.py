@@ -122,7 +122,7 @@ def describe_mask(mask: torch.Tensor | None) -> MaskInfo:
             return MaskInfo(ARBITRARY, empty_rows=_empty_rows_any(mask))
         if m.dtype != torch.bool:
             allowed = m == 0
-            blocked = m <= _blocked_at(m.dtype)
+            blocked = m <= blocked_at(m.dtype)
             if not bool((allowed | blocked).all()):
                 return MaskInfo(ARBITRARY, empty_rows=bool(blocked.all(-1).any()))
             m = allowed
@@ -135,11 +135,11 @@ def _empty_rows_any(mask: torch.Tensor) -> bool:
     if mask.dtype == torch.bool:
         return bool((~mask.any(-1)).any())
     if mask.is_floating_point():
-        return bool((mask <= _blocked_at(mask.dtype)).all(-1).any())
+        return bool((mask <= blocked_at(mask.dtype)).all(-1).any())
     return False
 
 
-def _blocked_at(dtype: torch.dtype) -> float:
+def blocked_at(dtype: torch.dtype) -> float:
     return float(torch.tensor(BLOCKED_AT, dtype=dtype))
 
 

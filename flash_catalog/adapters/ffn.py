@@ -1,30 +1,31 @@
-"""Feed-forward sites: diffusers `FeedForward` modules (and whitelisted `nn.Linear` projections), captured by a
-pre-hook and routed per instance.
+"""Feed-forward sites: diffusers `FeedForward` modules (and whitelisted `nn.Linear` projections), routed per module
+through a class swap (`swap.py`) whose forward reads the module's `FfnSite`.
 
-Routing sets `forward` on the module instance (removed again on detach), so the module object, its
-parameters and `state_dict` stay the host's. The bound form's quantized module is held here, never
-registered as a submodule. Host weights move to (pinned) CPU memory while bound unless asked to stay:
-a call the plan did not qualify then runs the host's own math with the weights brought back for that call.
+During calibration the site hands each new input shape to the calibration, which decides it at once. Once a form
+binds, qualified inputs go to the form's module and any other call to the host's own forward; the module object,
+its parameters and `state_dict` stay the host's. Host weights move to (pinned) CPU memory as soon as the site
+binds, unless asked to stay: a call the plan did not qualify then runs the host's own math with the weights
+brought back for that call. The form's module is held here, never registered as a submodule.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass, field
-from typing import Any
+import fnmatch
+import logging
+from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.func import functional_call
-from torch.utils.hooks import RemovableHandle
+from torch.nn.utils.stateless import _reparametrize_module
 
-from ..calls import dtype_name
+from .swap import Attached, state_of
 
-FfnKey = tuple[tuple[int, ...], str, str]  # input shape, dtype, device
+FfnKey = tuple[tuple[int, ...], torch.dtype, torch.device]  # input shape, dtype, device
+log = logging.getLogger("flash_catalog")
 
 
 def ffn_key(x: torch.Tensor) -> FfnKey:
-    return tuple(x.shape), dtype_name(x.dtype), str(x.device)
+    return tuple(x.shape), x.dtype, x.device
 
 
 def find_ffn_sites(model: nn.Module) -> dict[str, nn.Module]:
@@ -37,97 +38,91 @@ def find_ffn_sites(model: nn.Module) -> dict[str, nn.Module]:
 
 def find_projection_sites(model: nn.Module, patterns: list[str]) -> dict[str, nn.Module]:
     """`nn.Linear` modules whose path matches a whitelisted glob (attention projections, say)."""
-    import fnmatch
-
     return {path: m for path, m in model.named_modules()
             if type(m) is nn.Linear and any(fnmatch.fnmatchcase(path, p) for p in patterns)}
 
 
-@dataclass
-class FfnCapture:
-    """The first input seen at each shape of each FFN site during calibration, and how often."""
-
-    modules: dict[str, nn.Module]
-    inputs: dict[str, dict[FfnKey, torch.Tensor]] = field(default_factory=dict)
-    counts: dict[str, Counter[FfnKey]] = field(default_factory=dict)
-    handles: list[RemovableHandle] = field(default_factory=list)
-
-    def start(self) -> None:
-        for path, module in self.modules.items():
-            self.handles.append(module.register_forward_pre_hook(self._hook(path)))
-
-    def stop(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles.clear()
-
-    def release(self) -> None:
-        self.stop()
-        self.inputs.clear()
-
-    def _hook(self, path: str):
-        def pre_hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-            if not args or not isinstance(args[0], torch.Tensor):
-                return
-            x = args[0]
-            key = ffn_key(x)
-            self.counts.setdefault(path, Counter())[key] += 1
-            self.inputs.setdefault(path, {}).setdefault(key, x)
-
-        return pre_hook
+def ffn_forward(module: nn.Module, host: type, hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
+    """The forward of a feed-forward site module while attached."""
+    return state_of(module).forward(hidden_states, args, kwargs)
 
 
-@dataclass
-class FfnRoute:
-    """One bound FFN site: qualified input keys go to `replacement`, any other call to the host."""
+Calibrate = Callable[["FfnSite", torch.Tensor], torch.Tensor]
 
-    path: str
-    module: nn.Module
-    replacement: nn.Module
-    keys: set[FfnKey]
-    offload: bool
-    fallbacks: int = 0
-    routed: int = 0
-    _homes: dict[str, torch.device] = field(default_factory=dict)
+
+class FfnSite:
+    """One feed-forward site's state on its module: calibrating (`calibrate` set) or bound (`replacement`)."""
+
+    def __init__(self, path: str, module: nn.Module, offload: bool, calibrate: Calibrate) -> None:
+        self.path = path
+        self.module = module
+        self.offload = offload
+        self.calibrate: Calibrate | None = calibrate
+        self.replacement: nn.Module | None = None
+        self.form: str | None = None
+        self.keys: set[FfnKey] = set()   # bound input keys
+        self.known: set[FfnKey] = set()  # every key calibration met
+        self.fallbacks = 0  # eager calls only: counting is not traced
+        self.routed = 0
+        self._state = Attached(module)
+        self._homes: dict[str, torch.device] = {}
 
     def install(self) -> None:
-        if self.offload:
-            for name, p in self._host_tensors():
-                if p.device.type == "cuda":
-                    self._homes[name] = p.device
-                    cpu = torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=True)
-                    cpu.copy_(p.data)
-                    p.data = cpu
-        self.module.forward = self.forward  # instance attribute: shadows the class's forward
+        self._state.apply(self, "ffn", ffn_forward)
+
+    def forward(self, x: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        plain = not args and not kwargs and isinstance(x, torch.Tensor)
+        if plain and self.calibrate is not None:
+            return self.calibrate(self, x)
+        if plain and self.replacement is not None and ffn_key(x) in self.keys and not torch.is_grad_enabled():
+            if not torch.compiler.is_compiling():
+                self.routed += 1
+            return self.replacement(x)
+        if not torch.compiler.is_compiling() and self.calibrate is None and not (plain and ffn_key(x) in self.known):
+            if not self.fallbacks:
+                log.warning("flash_catalog: %s runs the host: an input calibration did not qualify", self.path)
+            self.fallbacks += 1
+        return self.host_forward(x, *args, **kwargs)
+
+    def bind(self, form: str, replacement: nn.Module, key: FfnKey) -> None:
+        """Serve `key` with `replacement` (one module per site); the first bind moves the host weights off the
+        device."""
+        if self.replacement is None:
+            self.form, self.replacement = form, replacement
+            if self.offload:
+                self._offload()
+        self.keys.add(key)
+
+    def finish(self) -> None:
+        """End of calibration: the site routes from now on."""
+        self.calibrate = None
 
     def uninstall(self) -> None:
-        self.module.__dict__.pop("forward", None)
         tensors = dict(self._host_tensors())
         for name, device in self._homes.items():
             tensors[name].data = tensors[name].data.to(device)
         self._homes.clear()
-        self.replacement = None  # type: ignore[assignment]
+        self._state.revert()
+        self.replacement = None
+        self.calibrate = None
 
-    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if not args and not kwargs and isinstance(hidden_states, torch.Tensor) \
-                and ffn_key(hidden_states) in self.keys and not torch.is_grad_enabled():
-            self.routed += 1
-            return self.replacement(hidden_states)
-        self.fallbacks += 1
-        return self.host_forward(hidden_states, *args, **kwargs)
-
-    def host_forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def host_forward(self, *args: Any, **kwargs: Any) -> Any:
         """The host's own forward; offloaded weights are brought to their device for this call only."""
-        host = type(self.module).forward
+        host = self._state.host.forward
         if not self._homes:
             return host(self.module, *args, **kwargs)
         tensors = dict(self._host_tensors())
         on_device = {n: tensors[n].to(d) for n, d in self._homes.items()}
-        self.module.__dict__.pop("forward", None)
-        try:
-            return functional_call(self.module, on_device, args, kwargs)
-        finally:
-            self.module.forward = self.forward
+        with _reparametrize_module(self.module, on_device):
+            return host(self.module, *args, **kwargs)
+
+    def _offload(self) -> None:
+        for name, p in self._host_tensors():
+            if p.device.type == "cuda":
+                self._homes[name] = p.device
+                cpu = torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=True)
+                cpu.copy_(p.data)
+                p.data = cpu
 
     def _host_tensors(self) -> list[tuple[str, torch.Tensor]]:
         return [*self.module.named_parameters(), *self.module.named_buffers()]

@@ -1,21 +1,36 @@
-"""The router: stands in for the host's attention function, names each call's site, captures or routes it.
+"""The router: stands in for the host's attention function, knows each call's site, captures or routes it.
 
-A site is a module path plus the call's ordinal inside one forward of that module. Hooks on the site
-modules push and pop a frame; the replacement attention function reads the innermost frame. Calls made
-outside any site module, or inside a call the router is already serving, go straight to the original.
+A site is a module path plus the call's ordinal inside one forward of that module. The site module's state (a
+`SiteSlot`, set on the module when the router is installed) is pushed as a frame while the module runs; the
+replacement attention function reads the innermost frame. Calls made outside any site module, or inside a call the
+router is already serving, go straight to the original.
+
+Routing is written for torch.compile: it reads only what dynamo guards on by itself (the slot through the module,
+shapes, dtypes, devices, static arguments), keys nothing by id, and counts calls only when not compiling. A bound
+call becomes one opaque custom op (`routes.attention_op`); anything the plan did not qualify runs the original.
 """
 
 from __future__ import annotations
 
+import enum
+import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-from ..calls import AttentionCall, ShapeKey
-from ..forms.base import Runner
+from ..calls import AttentionCall, StaticKey
 from ..masks import MaskCache
+from .routes import CHECK_INSIDE, HOST, Route, capturing
+
+log = logging.getLogger("flash_catalog")
+
+
+class Mode(enum.Enum):
+    CAPTURE = "capture"  # calibration: every call is handed to the calibration
+    ROUTE = "route"      # bound: qualified calls go to their route, any other to the host
+    OFF = "off"          # detached: everything goes to the original
 
 
 @dataclass(frozen=True)
@@ -35,6 +50,10 @@ class CallSignature:
         bound.update(kwargs)
         return bound
 
+    def static_arguments(self, bound: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+        """Every argument but the tensors, as the host received them (or their defaults)."""
+        return tuple((k, v) for k, v in bound.items() if k not in ("query", "key", "value", "attn_mask"))
+
 
 SDPA_SIGNATURE = CallSignature(
     layout="bhsd",
@@ -53,54 +72,91 @@ DISPATCH_SIGNATURE = CallSignature(
 )
 
 
-@dataclass
-class CapturedCall:
-    """The first call seen at one shape key of a site: canonical call, and the host's exact invocation."""
+@dataclass(eq=False)
+class SiteSlot:
+    """One attention site module's routing state: its path, and per call ordinal the bound routes by static key
+    (filled as calibration binds them). `known` holds every static key calibration met, bound or not, so that a
+    call at a key never seen counts as a fallback."""
 
-    call: AttentionCall | None  # None when the inputs cannot be put in canonical form, or once released
-    host: Callable[[], torch.Tensor] | None
-    problem: str | None
-    count: int = 1
-
-    def release(self) -> None:
-        """Drop the tensors (the call and the host's invocation); the count and the problem stay."""
-        self.call = None
-        self.host = None
-
-
-@dataclass
-class _Frame:
+    router: AttentionRouter
     path: str
+    routes: list[dict[StaticKey, Route]] = field(default_factory=list)
+    known: list[set[StaticKey]] = field(default_factory=list)
+
+    def table(self, ordinal: int) -> dict[StaticKey, Route]:
+        while len(self.routes) <= ordinal:
+            self.routes.append({})
+            self.known.append(set())
+        return self.routes[ordinal]
+
+    def bound(self) -> bool:
+        return any(self.routes)
+
+
+@dataclass(eq=False)
+class Frame:
+    slot: SiteSlot
     ordinal: int = 0
     busy: bool = False
 
 
-@dataclass
+def static_key(sig: CallSignature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> StaticKey | None:
+    """The call's static key, or None when only the host may serve it (reads metadata only: safe to trace)."""
+    try:
+        a = sig.bind(args, kwargs)
+    except TypeError:
+        return None
+    q, k, v, mask = a.get("query"), a.get("key"), a.get("value"), a.get("attn_mask")
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+        return None
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or (mask is not None and not isinstance(mask, torch.Tensor)):
+        return None
+    if set(a) - set(sig.positional) - {"backend", "parallel_config"}:
+        return None
+    if any(a.get(name) for name in sig.host_only) or a["dropout_p"]:
+        return None
+    if q.requires_grad or k.requires_grad or v.requires_grad:
+        return None
+    return StaticKey(sig.layout, tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, q.device,
+                     tuple(mask.shape) if mask is not None else None, mask.dtype if mask is not None else None,
+                     bool(a["is_causal"]), a["scale"], bool(a["enable_gqa"]))
+
+
+# (slot, ordinal, call or None, why not routable, the original function, args, kwargs) -> the call's output
+Capture = Callable[[SiteSlot, int, AttentionCall | None, str | None, Callable[..., torch.Tensor], tuple, dict],
+                   torch.Tensor]
+
+
+@dataclass(eq=False)
 class AttentionRouter:
-    """Per-plan router state: capture during calibration, then route bound shapes and guard the rest."""
+    """Per-plan router state: capture during calibration, then route bound calls and guard the rest."""
 
-    mode: str = "capture"  # capture | route | off
-    # called with (site, key, call) at each new shape key during capture; the call is released afterwards,
-    # so calibration holds one shape's tensors at a time
-    on_capture: Callable[[str, ShapeKey | str, CapturedCall], None] | None = None
+    mode: Mode = Mode.CAPTURE
+    capture: Capture | None = None  # calibration: decides each new (site, shape), returns the call's output
     masks: MaskCache = field(default_factory=MaskCache)
-    captured: dict[str, dict[ShapeKey | str, CapturedCall]] = field(default_factory=dict)
-    routes: dict[str, dict[ShapeKey, Runner]] = field(default_factory=dict)
-    fallbacks: Counter[str] = field(default_factory=Counter)
+    stack: list[Frame] = field(default_factory=list)
+    fallbacks: Counter[str] = field(default_factory=Counter)  # eager calls only: counting is not traced
     routed: Counter[str] = field(default_factory=Counter)
-    _known: dict[str, set[ShapeKey]] = field(default_factory=dict)
-    _stack: list[_Frame] = field(default_factory=list)
 
-    # -- frames, driven by module hooks -------------------------------------------------------------
-    def enter(self, path: str) -> None:
-        self._stack.append(_Frame(path))
+    # -- frames, opened by the site modules (a class swap or a calibration hook) --------------------------------
+    def enter(self, slot: SiteSlot) -> None:
+        self.stack.append(Frame(slot))
 
-    def leave(self, path: str) -> None:
-        while self._stack:
-            if self._stack.pop().path == path:
-                break
+    def leave(self) -> None:
+        if self.stack:
+            self.stack.pop()
 
-    # -- the replacement for the host's attention function -----------------------------------------
+    def framed(self, slot: SiteSlot | None, run: Callable[[], Any]) -> Any:
+        """`run()` inside the site's frame (no frame when the slot is not this router's)."""
+        if slot is None or slot.router is not self or self.mode is Mode.OFF:
+            return run()
+        self.enter(slot)
+        try:
+            return run()
+        finally:
+            self.leave()
+
+    # -- the replacement for the host's attention function -----------------------------------------------------
     def replacement(self, original: Callable[..., torch.Tensor], sig: CallSignature) -> Callable[..., Any]:
         def routed_attention(*args: Any, **kwargs: Any) -> Any:
             return self.dispatch(original, sig, args, kwargs)
@@ -108,106 +164,97 @@ class AttentionRouter:
         routed_attention.__wrapped__ = original  # type: ignore[attr-defined]
         return routed_attention
 
-    def framing(self, original: Callable[..., Any], paths: dict[int, str]) -> Callable[..., Any]:
-        """Wrap an attention interface whose first argument is the attention module: it opens the frame."""
+    def framing(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """Wrap an attention interface whose first argument is the attention module: it opens that module's frame."""
+        from .swap import state_of
 
         def framed_attention(module: Any, *args: Any, **kwargs: Any) -> Any:
-            path = paths.get(id(module))
-            if path is None or self.mode == "off":
-                return original(module, *args, **kwargs)
-            self.enter(path)
-            try:
-                return original(module, *args, **kwargs)
-            finally:
-                self.leave(path)
+            return self.framed(state_of(module), lambda: original(module, *args, **kwargs))
 
         framed_attention.__wrapped__ = original  # type: ignore[attr-defined]
         return framed_attention
 
     def dispatch(self, original: Callable[..., torch.Tensor], sig: CallSignature,
                  args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        frame = self._stack[-1] if self._stack else None
-        if frame is None or frame.busy or self.mode == "off":
+        frame = self.stack[-1] if self.stack else None
+        if frame is None or frame.busy or self.mode is Mode.OFF:
             return original(*args, **kwargs)
-        site = f"{frame.path}#{frame.ordinal}"
-        frame.ordinal += 1
-        if self.mode == "route" and site not in self.routes:
-            return original(*args, **kwargs)
+        ordinal = frame.ordinal
+        frame.ordinal = ordinal + 1
         frame.busy = True
         try:
-            if self.mode == "capture":
-                return self._capture(site, original, sig, args, kwargs)
-            return self._route(site, original, sig, args, kwargs)
+            if self.mode is Mode.CAPTURE and self.capture is not None:
+                call, problem = canonical(sig, args, kwargs, self.masks)
+                return self.capture(frame.slot, ordinal, call, problem, original, args, kwargs)
+            return self._route(frame.slot, ordinal, original, sig, args, kwargs)
         finally:
             frame.busy = False
 
-    def _capture(self, site: str, original: Callable[..., torch.Tensor], sig: CallSignature,
-                 args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        call, problem = self.canonical(sig, args, kwargs)
-        key: ShapeKey | str = call.shape_key() if call is not None else f"unroutable: {problem}"
-        site_calls = self.captured.setdefault(site, {})
-        if key in site_calls:
-            site_calls[key].count += 1
-        else:
-            entry = CapturedCall(call, lambda: original(*args, **kwargs),
-                                 problem or (call.unroutable() if call else None))
-            site_calls[key] = entry
-            if self.on_capture is not None:
-                self.on_capture(site, key, entry)
-                entry.release()
-        return original(*args, **kwargs)
-
-    def _route(self, site: str, original: Callable[..., torch.Tensor], sig: CallSignature,
+    def _route(self, slot: SiteSlot, ordinal: int, original: Callable[..., torch.Tensor], sig: CallSignature,
                args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        call, _ = self.canonical(sig, args, kwargs)
-        key = call.shape_key() if call is not None else None
-        runner = self.routes[site].get(key) if key is not None else None
-        if runner is None or call is None or call.unroutable():
-            if runner is not None or key not in self._known.get(site, ()):
-                self.fallbacks[site] += 1  # not a shape the plan decided: guarded to the host
+        key = static_key(sig, args, kwargs)
+        route = slot.routes[ordinal].get(key) if key is not None and ordinal < len(slot.routes) else None
+        if route is None:
+            if not torch.compiler.is_compiling():
+                self._fallback(slot, ordinal, key)
             return original(*args, **kwargs)
-        self.routed[site] += 1
-        return call.to_host_layout(runner(call))
+        a = sig.bind(args, kwargs)
+        mask = a["attn_mask"]
+        if torch.compiler.is_compiling() or mask is None or capturing(mask):
+            choice = 0 if mask is None else CHECK_INSIDE  # traced or captured: the op checks on the device
+        else:
+            choice = route.pick(mask)  # eager: read the check here, so a failing call runs the host exactly
+            if choice == HOST:
+                self._fallback(slot, ordinal, None, "its mask has another structure")
+                return original(*args, **kwargs)
+        if not torch.compiler.is_compiling():
+            self.routed[f"{slot.path}#{ordinal}"] += 1
+        return route(a["query"], a["key"], a["value"], mask, choice)
 
-    def canonical(self, sig: CallSignature, args: tuple[Any, ...],
-                  kwargs: dict[str, Any]) -> tuple[AttentionCall | None, str | None]:
-        try:
-            a = sig.bind(args, kwargs)
-        except TypeError as exc:
-            return None, f"unexpected arguments ({exc})"
-        q, k, v, mask = a.get("query"), a.get("key"), a.get("value"), a.get("attn_mask")
-        if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
-            return None, "query, key or value is not a tensor"
-        if not (q.dim() == k.dim() == v.dim() == 4):
-            return None, f"inputs are {q.dim()}-D, not 4-D"
-        if mask is not None and not isinstance(mask, torch.Tensor):
-            return None, "attn_mask is not a tensor"
-        extra = set(a) - set(sig.positional) - {"backend", "parallel_config"}
-        if extra:
-            return None, f"unknown arguments {sorted(extra)}"
-        if sig.layout == "bshd":
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        call = AttentionCall(
-            query=q, key=k, value=v, attn_mask=mask,
-            is_causal=bool(a["is_causal"]), scale=a["scale"], enable_gqa=bool(a["enable_gqa"]),
-            dropout_p=float(a["dropout_p"]), layout=sig.layout,
-            mask=self.masks.describe(mask),
-            host_only={name: a.get(name) for name in sig.host_only},
-        )
-        return call, None
-
-    # -- after the gates ----------------------------------------------------------------------------
-    def bind(self, routes: dict[str, dict[ShapeKey, Runner]]) -> None:
-        """Switch to routing: bound shapes go to their runner; the captured calls are released."""
-        self._known = {site: {k for k in calls if isinstance(k, tuple)} for site, calls in self.captured.items()}
-        self.routes = {site: r for site, r in routes.items() if r}
-        self.captured = {}
-        self.masks.clear()
-        self.mode = "route"
+    def _fallback(self, slot: SiteSlot, ordinal: int, key: StaticKey | None, why: str | None = None) -> None:
+        """Count (and, the first time, log) a call at a bound site that the guard sends to the host."""
+        known = slot.known[ordinal] if ordinal < len(slot.known) else set()
+        if why is None and key is not None and key in known:
+            return  # a shape calibration decided for the host: not a fallback
+        site = f"{slot.path}#{ordinal}"
+        if not self.fallbacks[site]:
+            why = why or ("arguments only the host serves (gradients, dropout, a backend or parallel config)"
+                          if key is None else f"a shape calibration did not meet (q={key.q}, {key.dtype})")
+            log.warning("flash_catalog: %s runs the host: %s", site, why)
+        self.fallbacks[site] += 1
 
     def stop(self) -> None:
-        self.mode = "off"
-        self.captured = {}
-        self.routes = {}
-        self._stack.clear()
+        self.mode = Mode.OFF
+        self.capture = None
+        self.stack.clear()
         self.masks.clear()
+
+
+def canonical(sig: CallSignature, args: tuple[Any, ...], kwargs: dict[str, Any],
+              masks: MaskCache) -> tuple[AttentionCall | None, str | None]:
+    """The call in (B, H, S, D) form with its mask classified (calibration only: reads the mask), or why not."""
+    try:
+        a = sig.bind(args, kwargs)
+    except TypeError as exc:
+        return None, f"unexpected arguments ({exc})"
+    q, k, v, mask = a.get("query"), a.get("key"), a.get("value"), a.get("attn_mask")
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return None, "query, key or value is not a tensor"
+    if not (q.dim() == k.dim() == v.dim() == 4):
+        return None, f"inputs are {q.dim()}-D, not 4-D"
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        return None, "attn_mask is not a tensor"
+    extra = set(a) - set(sig.positional) - {"backend", "parallel_config"}
+    if extra:
+        return None, f"unknown arguments {sorted(extra)}"
+    if sig.layout == "bshd":
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    call = AttentionCall(
+        query=q, key=k, value=v, attn_mask=mask,
+        is_causal=bool(a["is_causal"]), scale=a["scale"], enable_gqa=bool(a["enable_gqa"]),
+        dropout_p=float(a["dropout_p"]), layout=sig.layout,
+        mask=masks.describe(mask),
+        host_only={name: a.get(name) for name in sig.host_only},
+        static=sig.static_arguments(a),
+    )
+    return call, None

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..adapters.swap import host_type
 from ..calls import dtype_name
 from ..kernels.fp8_rowwise import fp8_linear, quantize_weight_fp8
 from .ffn_base import FfnForm
@@ -90,9 +91,9 @@ def read_ffn(module: nn.Module) -> FfnLayout | str:
     except ImportError:  # pragma: no cover
         return "diffusers is not installed"
     if not isinstance(module, FeedForward):
-        return f"host {type(module).__name__} is not a diffusers FeedForward"
-    if type(module).forward is not FeedForward.forward:
-        return f"host {type(module).__name__} overrides FeedForward.forward"
+        return f"host {host_type(module).__name__} is not a diffusers FeedForward"
+    if host_type(module).forward is not FeedForward.forward:
+        return f"host {host_type(module).__name__} overrides FeedForward.forward"
     net = list(module.net)
     if len(net) not in (3, 4) or type(net[1]) is not nn.Dropout or type(net[2]) is not nn.Linear or (
             len(net) == 4 and type(net[3]) is not nn.Dropout):
@@ -294,7 +295,7 @@ class Fp8RowwiseFfn(FfnForm):
         return FP8
 
     def rule(self, module: nn.Module, x: torch.Tensor) -> str | None:
-        if type(module) is nn.Linear:
+        if host_type(module) is nn.Linear:
             return linear_rule(module, x)
         _, text = ffn_rule(module, x)
         return text
@@ -302,7 +303,7 @@ class Fp8RowwiseFfn(FfnForm):
     @torch.no_grad()
     def build(self, module: nn.Module) -> nn.Module:
         scheme = self.scheme
-        if type(module) is nn.Linear:
+        if host_type(module) is nn.Linear:
             w, scale = scheme.quantize_weight(module.weight)
             return QuantizedLinear(module.weight.dtype, w, scale, copied_bias(module), scheme=scheme)
         layout = adopt_layout(self.name, module)
@@ -318,7 +319,7 @@ class Fp8UpFfn(Fp8RowwiseFfn):
     host's dtype (a copy the form holds, so the host's weights can still leave the GPU)."""
 
     def rule(self, module: nn.Module, x: torch.Tensor) -> str | None:
-        if type(module) is nn.Linear:
+        if host_type(module) is nn.Linear:
             return "serves FeedForward sites only (a projection quantized alone is fp8_rowwise)"
         return super().rule(module, x)
 

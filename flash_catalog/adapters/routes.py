@@ -1,0 +1,204 @@
+"""Routes: what a bound attention call runs, behind one opaque custom op.
+
+A bound call goes through `torch.ops.flash_catalog.attention(route, query, key, value, attn_mask)`, tensors in the
+host's own layout. Under torch.compile the form stays opaque, so what runs is what was gated; the op's fake
+implementation gives the output's shape and strides, and its one non-tensor argument is the route's handle.
+Routes are interned per attach (`RouteTable`): sites whose bindings at a static key are identical share one Route,
+hence one handle, hence one compiled graph.
+
+A route with a mask checks the mask's content on every call (`MaskCheck`, tensor ops). In eager the router reads
+the check's result (one host sync per masked call) and sends a failing call to the host's own function; traced, the
+op is told to check inside (`CHECK_INSIDE`), where it reads the result at run time, or, while a CUDA graph is
+captured, records both the form and the host under conditional graph nodes, so replays re-check on the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+from ..calls import AttentionCall, StaticKey
+from ..forms.base import Runner
+from ..layout import dense_strides
+from ..mask_check import MaskCheck
+from ..masks import MaskInfo
+
+CHECK_INSIDE = -2  # the op's `choice` when the mask check happens inside it
+HOST = -1  # the op's `choice` for the host's own function
+_HANDLES = itertools.count(1)
+_LIVE: weakref.WeakValueDictionary[str, Route] = weakref.WeakValueDictionary()
+
+
+@dataclass(frozen=True, eq=False)
+class Alternative:
+    """One bound form for one mask structure at a route's static key (`check` is None when there is no mask)."""
+
+    mask: MaskInfo
+    check: MaskCheck | None
+    runner: Runner
+
+
+@dataclass(eq=False)
+class Route:
+    """What calls with one static key run at the sites that share it: the first alternative whose mask check
+    passes, else the host's own attention function with the call's own arguments."""
+
+    handle: str
+    key: StaticKey
+    host: Callable[..., torch.Tensor]
+    host_kwargs: tuple[tuple[str, Any], ...]
+    alternatives: tuple[Alternative, ...]
+    out_order: tuple[int, ...]
+
+    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attn_mask: torch.Tensor | None, choice: int) -> torch.Tensor:
+        """The bound call, as traced code sees it: one opaque op."""
+        return attention_op(self.handle, query, key, value, attn_mask, choice)
+
+    def pick(self, attn_mask: torch.Tensor) -> int:
+        """The alternative whose mask check passes, read on the host (eager only), or HOST."""
+        for index, alt in enumerate(self.alternatives):
+            if alt.check is not None and bool(alt.check.passes(attn_mask)):
+                return index
+        return HOST
+
+    def empty_output(self, query: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """An uninitialised output of the route's shape, dtype and strides (also the op's fake)."""
+        shape = (*query.shape[:-1], value.shape[-1])
+        return torch.empty_strided(shape, dense_strides(shape, self.out_order), dtype=query.dtype,
+                                   device=query.device)
+
+    def serve(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
+              choice: int) -> torch.Tensor:
+        """The op's body: alternative `choice`, the host (HOST), or whichever the mask check picks (CHECK_INSIDE)."""
+        if choice == CHECK_INSIDE and attn_mask is not None:
+            if capturing(query):
+                oks = [alt.check.passes(attn_mask) if alt.check is not None else None for alt in self.alternatives]
+                return self._on_device(oks, query, key, value, attn_mask)
+            choice = self.pick(attn_mask)
+        if choice == HOST:
+            return self._laid_out(self.run_host(query, key, value, attn_mask))
+        return self._run(self.alternatives[max(choice, 0)], query, key, value, attn_mask)
+
+    def run_host(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attn_mask: torch.Tensor | None) -> torch.Tensor:
+        return self.host(query, key, value, attn_mask=attn_mask, **dict(self.host_kwargs))
+
+    def _run(self, alt: Alternative, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             attn_mask: torch.Tensor | None) -> torch.Tensor:
+        call = canonical_call(self.key, query, key, value, attn_mask, alt.mask)
+        return self._laid_out(call.to_host_layout(alt.runner(call)))
+
+    def _laid_out(self, out: torch.Tensor) -> torch.Tensor:
+        """`out` with exactly the strides `empty_output` promises (a copy only where the layout differs)."""
+        want = dense_strides(out.shape, self.out_order)
+        if out.stride() == want:
+            return out
+        if all(s == w for s, w, n in zip(out.stride(), want, out.shape) if n > 1):
+            return out.as_strided(out.shape, want)  # only size-1 dims differ: the same memory, restrided
+        fixed = torch.empty_strided(out.shape, want, dtype=out.dtype, device=out.device)
+        return fixed.copy_(out)
+
+    def _on_device(self, oks: list[torch.Tensor | None], query: torch.Tensor, key: torch.Tensor,
+                   value: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
+        """Inside a CUDA graph capture: each branch recorded under a conditional node, chosen at replay."""
+        out = self.empty_output(query, value)
+        pending = torch.ones((), dtype=torch.bool, device=query.device)
+        branches: list[tuple[torch.Tensor, Callable[[], torch.Tensor]]] = []
+        for alt, ok in zip(self.alternatives, oks):
+            if ok is not None:
+                branches.append((pending & ok, lambda alt=alt: self._run(alt, query, key, value, attn_mask)))
+                pending = pending & ~ok
+        branches.append((pending, lambda: self._laid_out(self.run_host(query, key, value, attn_mask))))
+        for take, produce in branches:
+            with _conditional(take, out) as record:
+                record(produce)
+        return out
+
+
+def capturing(t: torch.Tensor) -> bool:
+    """A CUDA graph is being captured on the current stream of t's device."""
+    return t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+@contextlib.contextmanager
+def _conditional(take: torch.Tensor, out: torch.Tensor) -> Iterator[Callable[[Callable[[], torch.Tensor]], None]]:
+    """Record `out.copy_(produce())` so that a replay runs it only where `take` is True: a conditional IF node
+    where this torch has them, else the branch always runs and `torch.where` keeps its values where `take`."""
+    graph_api = getattr(torch.cuda.CUDAGraph, "get_currently_capturing_graph", None)
+    if graph_api is None:
+        yield lambda produce: out.copy_(torch.where(take, produce(), out))
+        return
+    graph = graph_api()
+    graph.begin_capture_to_if_node(take)
+    try:
+        yield lambda produce: out.copy_(produce())
+    finally:
+        graph.end_capture_to_conditional_node()
+
+
+def canonical_call(key: StaticKey, query: torch.Tensor, key_t: torch.Tensor, value: torch.Tensor,
+                   attn_mask: torch.Tensor | None, mask: MaskInfo) -> AttentionCall:
+    """The AttentionCall a runner takes, from host-layout tensors and the route's static arguments."""
+    if key.layout == "bshd":
+        query, key_t, value = query.transpose(1, 2), key_t.transpose(1, 2), value.transpose(1, 2)
+    return AttentionCall(query=query, key=key_t, value=value, attn_mask=attn_mask, is_causal=key.is_causal,
+                         scale=key.scale, enable_gqa=key.enable_gqa, dropout_p=0.0, layout=key.layout, mask=mask)
+
+
+@dataclass
+class RouteTable:
+    """The attach's routes, interned by content, and their handles (released together on detach)."""
+
+    routes: dict[tuple, Route] = field(default_factory=dict)
+
+    def intern(self, key: StaticKey, host: Callable[..., torch.Tensor], host_kwargs: tuple[tuple[str, Any], ...],
+               alternatives: tuple[Alternative, ...], out_order: tuple[int, ...]) -> Route:
+        identity = (key, id(host), host_kwargs, out_order,
+                    tuple((alt.mask, id(alt.check), id(alt.runner)) for alt in alternatives))
+        route = self.routes.get(identity)
+        if route is None:
+            route = Route(f"route-{next(_HANDLES)}", key, host, host_kwargs, alternatives, out_order)
+            self.routes[identity] = route
+            _LIVE[route.handle] = route
+        return route
+
+    def release(self) -> None:
+        for route in self.routes.values():
+            if _LIVE.get(route.handle) is route:
+                del _LIVE[route.handle]
+        self.routes = {}
+
+    def mask_bytes(self) -> int:
+        """Bytes of the mask patterns the routes check against (each pattern once)."""
+        checks = {id(a.check): a.check for r in self.routes.values() for a in r.alternatives if a.check is not None}
+        return sum(c.nbytes() for c in checks.values())
+
+
+def resolve(handle: str) -> Route:
+    route = _LIVE.get(handle)
+    if route is None:
+        raise RuntimeError(f"flash_catalog route {handle!r} is not attached: its plan was detached. A graph compiled "
+                           f"while it was attached should have been re-traced (its guards); call "
+                           f"torch.compiler.reset() if a graph outlived the plan")
+    return route
+
+
+@torch.library.custom_op("flash_catalog::attention", mutates_args=())
+def attention_op(route: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attn_mask: torch.Tensor | None, choice: int) -> torch.Tensor:
+    """A bound attention call (tensors in the host's layout): the route's alternative `choice`, the host (-1), or
+    what the mask check inside picks (-2)."""
+    return resolve(route).serve(query, key, value, attn_mask, choice)
+
+
+@attention_op.register_fake
+def _(route: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
+      choice: int) -> torch.Tensor:
+    return resolve(route).empty_output(query, value)
+

@@ -1,0 +1,62 @@
+"""The run-time check that a mask still has the structure a form was qualified for, without a host sync.
+
+A bound form may build from a mask's structure (a BlockMask, group tables) or drop it (all-pass): a mask of the
+same shape but other content must never reach it. `MaskCheck.passes` is tensor ops only and returns a 0-d bool
+tensor on the mask's device: the caller decides with it on the device (a CUDA graph's conditional node) or reads it
+where reading is free. The check is exact: the mask's allowed pattern (True for a bool mask, 0 for an additive one)
+must equal the one seen at calibration, and an additive mask may hold only 0 and blocked values (at or below
+`masks.BLOCKED_AT`, -inf included); anything else, a real bias say, fails it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .masks import ALL_PASS, MaskInfo, blocked_at
+
+
+def allowed_pattern(mask: torch.Tensor) -> torch.Tensor:
+    """True where the mask lets a query see a key."""
+    return mask if mask.dtype == torch.bool else mask == 0
+
+
+def _pure(mask: torch.Tensor) -> torch.Tensor | None:
+    """For an additive mask, a 0-d bool: every value is 0 or blocked. None for a bool mask."""
+    if mask.dtype == torch.bool:
+        return None
+    return ((mask == 0) | (mask <= blocked_at(mask.dtype))).all()
+
+
+@torch.no_grad()
+def _compact(pattern: torch.Tensor) -> torch.Tensor:
+    """The pattern with every leading dim (all but the key dim) cut to 1 where all its slices are equal: what
+    broadcasting restores, stored once (a key-padding mask shared by heads and query rows keeps one row)."""
+    for dim in range(pattern.dim() - 1):
+        if pattern.shape[dim] > 1 and bool((pattern == pattern.narrow(dim, 0, 1)).all()):
+            pattern = pattern.narrow(dim, 0, 1)
+    return pattern.clone()
+
+
+@dataclass(frozen=True, eq=False)
+class MaskCheck:
+    """What a routed mask must look like: the structure `info` and its allowed pattern (None for all-pass)."""
+
+    info: MaskInfo
+    expected: torch.Tensor | None
+
+    @classmethod
+    def of(cls, mask: torch.Tensor, info: MaskInfo) -> MaskCheck:
+        """The check for masks like `mask` (classified as `info`), read once at attach."""
+        return cls(info, None if info.kind == ALL_PASS else _compact(allowed_pattern(mask)))
+
+    def passes(self, mask: torch.Tensor) -> torch.Tensor:
+        """0-d bool tensor on the mask's device: the mask has this structure. Tensor ops only, no sync."""
+        allowed = allowed_pattern(mask)
+        ok = allowed.all() if self.expected is None else (allowed == self.expected).all()
+        pure = _pure(mask)
+        return ok if pure is None else ok & pure
+
+    def nbytes(self) -> int:
+        return 0 if self.expected is None else self.expected.numel() * self.expected.element_size()
