@@ -2,25 +2,33 @@
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
-from typing import Any, Callable, Sequence
+import logging
+import time
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 
+from . import receipts
 from .adapters import pick_adapter
+from .adapters.ffn import FfnSite, find_ffn_sites, find_projection_sites
 from .adapters.install import Installation
 from .adapters.patches import GlobalPatch
-from .adapters.ffn import FfnCapture, FfnRoute, find_ffn_sites, find_projection_sites
 from .adapters.router import AttentionRouter
+from .adapters.routes import RouteTable
+from .adapters.swap import state_of
+from .calibration import Calibration, Progress
 from .catalog import Catalog, build_form
-from .decide import Decisions, GateOptions, TimingCache
-from .decide_ffn import decide_ffn_site
+from .decide import GateOptions
 from .environment import environment
-from .forms.base import AttentionForm, Runner
-from .kernels.staging import StagingKey, StagingPool
-from .plan import Plan, SiteRecord
+from .forms.base import AttentionForm
+from .kernels.staging import StagingPool
+from .plan import AttachTimings, Plan, ShapeRecord, SiteRecord
 from .profiles import get_profile
+
+log = logging.getLogger("flash_catalog")
 
 Example = dict[str, Any] | tuple[Any, ...] | list[Any] | Callable[[], Any]
 
@@ -85,57 +93,57 @@ def attach(model: nn.Module, example: Example, *, attention_forms: Sequence[str]
     if sites is not None and not modules and not ffn_modules:
         raise ValueError(f"sites={list(sites)!r} matches no site; attention sites are: "
                          f"{_some(adapter.find_sites(model))}; feed-forward sites: {_some(find_ffn_sites(model))}")
+    _refuse_attached(model)
 
-    installation = _install_router(adapter, modules)
-    router = installation.router
-    decisions = Decisions(forms, options, on_decided=lambda routes: staging.keep_only(_staging_keys(routes)))
-    router.on_capture = decisions  # each new shape is gated as calibration meets it, then released
-    capture = FfnCapture(ffn_modules)
-    capture.start()
-    ffn_routes: list[FfnRoute] = []
-    stage = "running the example (calibration call)"
+    started = time.perf_counter()
+    router = AttentionRouter()
+    routes = RouteTable()
+    calibration = Calibration(forms, ffn_forms_built, options, routes, staging,
+                              Progress(None if adapter.discovered else len(modules) + len(ffn_modules)))
+    router.capture = calibration.meet_attention
+    installation = _installation(adapter, router, modules)
+    ffn_sites = [FfnSite(path, module, not keep_host_on_device, calibration.meet_ffn)
+                 for path, module in ffn_modules.items()]
+    revert = _reverter(installation, forms, ffn_sites, staging, routes)
+    stage = "installing the router"
     try:
-        with torch.no_grad():
+        installation.install()
+        for site in ffn_sites:
+            site.install()
+        stage = "running the example (calibration call)"
+        calibration_started = time.perf_counter()
+        with torch.no_grad(), _eager():
             run_example()
-        capture.stop()
-        router.on_capture = None
-        records, routes = [], {}
-        uncalled = adapter.uncalled_reason(model)
-        for site in _site_names(modules, router, adapter.discovered):
-            counts = {key: entry.count for key, entry in router.captured.get(site, {}).items()}
-            record, routes[site] = decisions.site_record(site, counts, uncalled)
-            records.append(record)
-        ffn_timings = TimingCache()
-        for path, module in ffn_modules.items():
-            stage = f"gating feed-forward site {path}"
-            decision = decide_ffn_site(module, capture.inputs.get(path, {}), capture.counts.get(path, {}),
-                                       ffn_forms_built, options, ffn_timings, path)
-            records.append(SiteRecord(path, decision.shapes, kind="ffn", memory=decision.memory))
-            if decision.replacement is not None:
-                route = FfnRoute(path, module, decision.replacement, decision.keys,
-                                 offload=not keep_host_on_device)
-                ffn_routes.append(route)
-                route.install()
+        calibration_s = time.perf_counter() - calibration_started
         stage = "binding the plan"
-        capture.release()
-        bound_keys = {k for r in routes.values() for k in r}
+        binding_started = time.perf_counter()
+        records = _attention_records(adapter, model, modules, installation, calibration)
+        records += _ffn_records(ffn_sites, calibration)
+        bound_ffn = [s for s in ffn_sites if s.replacement is not None]
+        for site in ffn_sites:
+            if site.replacement is None:
+                site.uninstall()
+            site.finish()
+        ffn_sites[:] = bound_ffn
         for form in forms:
-            form.retain(bound_keys)
-        router.bind(routes)
-        staging.keep_only(_staging_keys(routes))
-        if adapter.discovered:
-            installation.prune({r.name.rsplit("#", 1)[0] for r in records if r.kind == "attention"})
+            form.retain(calibration.bound_keys)
+        installation.bind()
+        staging.keep_only(calibration.staging_keys())
+        binding_s = time.perf_counter() - binding_started
     except BaseException as exc:
-        if decisions.current is not None:
-            stage = f"gating site {decisions.current} during the calibration call"
-        router.on_capture = None
-        _reverter(installation, forms, ffn_routes, staging)()
-        capture.release()
+        if calibration.current is not None:
+            stage = f"gating site {calibration.current} during the calibration call"
+        revert()
         if not isinstance(exc, Exception):
             raise
         raise AttachError(f"attach failed while {stage}: {type(exc).__name__}: {exc}. "
                           f"The model was restored to the host.") from exc
-
+    if not any(r.outcome == "bound" for r in records):
+        log.info("flash_catalog: no site bound (%d sites)", len(records))
+    gating_s = calibration.clock.gating_s
+    timings = AttachTimings(time.perf_counter() - started, calibration_s - gating_s, gating_s, binding_s,
+                            dict(calibration.clock.first_use_s))
+    log.info("flash_catalog: %s", timings.describe())
     device = _model_device(model)
     return Plan(
         sites=records,
@@ -148,15 +156,17 @@ def attach(model: nn.Module, example: Example, *, attention_forms: Sequence[str]
                  "keep_host_on_device": keep_host_on_device, "allow_emulation": allow_emulation,
                  "trust_remote_code": (trust_remote_code if isinstance(trust_remote_code, bool)
                                        else list(trust_remote_code))},
-        _fallbacks=lambda: _counts(router.fallbacks, ffn_routes, "fallbacks"),
-        _routed=lambda: _counts(router.routed, ffn_routes, "routed"),
-        _revert=_reverter(installation, forms, ffn_routes, staging),
+        _fallbacks=lambda: _counts(router.fallbacks, ffn_sites, "fallbacks"),
+        _routed=lambda: _counts(router.routed, ffn_sites, "routed"),
+        _revert=revert,
         staging=staging,
+        timings=timings,
     )
 
 
 def detach(plan: Plan) -> None:
-    """Restore the host bit-exactly: patched names, hooks, weights, and nothing of the forms referenced."""
+    """Restore the host bit-exactly: patched names, module classes and states, weights, and nothing of the forms
+    referenced. A compiled model re-traces the host on its next call (the detached modules fail its guards)."""
     if plan.detached:
         return
     if plan._revert is not None:
@@ -165,38 +175,77 @@ def detach(plan: Plan) -> None:
     plan.detached = True
 
 
-def _reverter(installation: Installation, forms: list[AttentionForm], ffn_routes: list[FfnRoute],
-              staging: StagingPool) -> Callable[[], None]:
+def _reverter(installation: Installation, forms: list[AttentionForm], ffn_sites: list[FfnSite],
+              staging: StagingPool, routes: RouteTable) -> Callable[[], None]:
     def revert() -> None:
         installation.uninstall()  # first: it refuses, changing nothing, when plans are detached out of order
-        for route in reversed(ffn_routes):
-            route.uninstall()
-        ffn_routes.clear()
+        for site in reversed(ffn_sites):
+            site.uninstall()
+        ffn_sites.clear()
         for form in forms:
             form.retain(set())
             form.staging = None
         staging.release()
+        routes.release()
 
     return revert
 
 
-def _staging_keys(routes: dict[str, dict[Any, Runner]]) -> set[StagingKey]:
-    """The staging buffers the bound runners draw; sites of one shape share them, so each counts once."""
-    return {key for site_routes in routes.values() for runner in site_routes.values() for key in runner.staging}
-
-
-def _install_router(adapter, modules: dict[str, nn.Module]) -> Installation:
-    router = AttentionRouter()
-    paths = {id(m): p for p, m in modules.items()}
+def _installation(adapter, router: AttentionRouter, modules: dict[str, nn.Module]) -> Installation:
     patches = []
     for t in adapter.targets(modules):
         original = _current(t.namespace, t.name)
-        stand_in = (router.framing(original, paths) if t.kind == "frame"
-                    else router.replacement(original, t.signature))
+        stand_in = router.framing(original) if t.kind == "frame" else router.replacement(original, t.signature)
         patches.append(GlobalPatch(t.namespace, t.name, original, stand_in))
-    installation = Installation(router, patches)
-    installation.install(modules if adapter.hooks else {})
-    return installation
+    return Installation(router, patches, modules, hooks=adapter.hooks)
+
+
+@contextlib.contextmanager
+def _eager() -> Iterator[None]:
+    """Calibration runs eagerly even where the user compiled the model first (regional or whole): the compiled
+    graphs are the host's, and deciding shapes needs Python at every call. The stance is scoped to the call."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    if set_stance is None:
+        yield
+        return
+    with set_stance("force_eager"):
+        yield
+
+
+def _refuse_attached(model: nn.Module) -> None:
+    for path, module in model.named_modules():
+        if state_of(module) is not None:
+            raise RuntimeError(f"{path or type(model).__name__} is already attached by another plan; detach it first")
+
+
+def _attention_records(adapter, model: nn.Module, modules: dict[str, nn.Module], installation: Installation,
+                       calibration: Calibration) -> list[SiteRecord]:
+    """Every site module's calls in model order; a module never called gets one `#0` entry, unless sites are
+    discovered by calibration (then it is no site)."""
+    uncalled = adapter.uncalled_reason(model)
+    records: list[SiteRecord] = []
+    for path in modules:
+        if path in installation.refused:
+            records.append(SiteRecord(f"{path}#0", [ShapeRecord(
+                "-", 0, "host", reason=receipts.host_only(f"cannot route the module: {installation.refused[path]}"))]))
+            continue
+        called = sorted((s for s in calibration.attention if s.rsplit("#", 1)[0] == path),
+                        key=lambda s: int(s.rsplit("#", 1)[1]))
+        for site in called:
+            records.append(SiteRecord(site, list(calibration.attention[site].values())))
+        if not called and not adapter.discovered:
+            records.append(SiteRecord(f"{path}#0", [ShapeRecord("-", 0, "host", reason=uncalled)]))
+    return records
+
+
+def _ffn_records(ffn_sites: list[FfnSite], calibration: Calibration) -> list[SiteRecord]:
+    out = []
+    for site in ffn_sites:
+        shapes = list(calibration.ffn.get(site.path, {}).values()) or [
+            ShapeRecord("-", 0, "host", reason=receipts.NOT_CALLED)]
+        memory = calibration.ffn_memory.get(site.path) if site.replacement is not None else None
+        out.append(SiteRecord(site.path, shapes, kind="ffn", memory=memory))
+    return out
 
 
 def _resolve_profile(profile: str | None, attention_forms: Sequence[str] | None,
@@ -226,28 +275,15 @@ def _ffn_form(spec, allow_emulation: bool):
     return _with_emulation(build_form(spec), allow_emulation)
 
 
-def _counts(router_counts, ffn_routes: list[FfnRoute], attr: str) -> dict[str, int]:
+def _counts(router_counts, ffn_sites: list[FfnSite], attr: str) -> dict[str, int]:
     out = dict(router_counts)
-    out.update({r.path: getattr(r, attr) for r in ffn_routes if getattr(r, attr)})
+    out.update({s.path: getattr(s, attr) for s in ffn_sites if getattr(s, attr)})
     return out
 
 
 def _some(modules: dict[str, nn.Module]) -> str:
     names = list(modules)
     return (", ".join(names[:8]) + (" ..." if len(names) > 8 else "")) or "(none)"
-
-
-def _site_names(modules: dict[str, nn.Module], router: AttentionRouter, discovered: bool) -> list[str]:
-    """Every site module's calls in model order; a module never called gets one `#0` entry, unless sites
-    are discovered by calibration (then it is no site)."""
-    by_path: dict[str, list[str]] = {}
-    for site in router.captured:
-        by_path.setdefault(site.rsplit("#", 1)[0], []).append(site)
-    names: list[str] = []
-    for path in modules:
-        called = sorted(by_path.get(path, []), key=lambda s: int(s.rsplit("#", 1)[1]))
-        names.extend(called or ([] if discovered else [f"{path}#0"]))
-    return names
 
 
 def _filter_sites(modules: dict[str, nn.Module], patterns: Sequence[str] | None) -> dict[str, nn.Module]:

@@ -1,18 +1,18 @@
-"""Deciding one captured shape of one site: qualify each form, gate accuracy, gate speed, first winner binds."""
+"""Deciding one (site, shape), for attention and feed-forward sites alike: qualify each form, gate accuracy, gate
+speed; within the first precision tier where any form passes, the fastest passing form binds."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
-from .adapters.router import CapturedCall
-from .calls import ShapeKey, dims
-from .forms.base import AttentionForm, Runner
+from . import receipts
 from .gate import Accuracy, Timing, measure_accuracy, paired_speedup
-from .plan import ShapeRecord, SiteRecord
-from .qualify import qualify
+from .layout import stride_order
+from .plan import ShapeRecord
 from .specs import AccuracyFloor, Spec
 
 
@@ -40,10 +40,8 @@ class GateOptions:
 class TimingCache:
     """Speed depends on shape, not data: a timing measured at one site serves every site with the same key.
 
-    Attention keys are (form, shape), or (form, site) for a spec with `per_shape = false`, which is timed once per
-    site at the first shape the site was called with (`attention_key`); feed-forward keys add the module's
-    architecture (`decide_ffn.ffn_timing_key`).
-    """
+    Attention keys are (form, shape), or (form, site) for a spec with `per_shape = false`; feed-forward keys add
+    the module's architecture. Accuracy is still gated at every site."""
 
     entries: dict[tuple, tuple[Timing, str]] = field(default_factory=dict)
 
@@ -58,145 +56,167 @@ class TimingCache:
         timing, origin = cached
         return timing, (f", timed at {origin}" if origin != site else "")
 
-    @staticmethod
-    def attention_key(spec: Spec, site: str, key: ShapeKey) -> tuple[str, object]:
-        return (spec.name, key if spec.latency.per_shape else site)
+
+@dataclass
+class AttachClock:
+    """Where an attach's seconds went: deciding shapes, and each form's first use (kernel compilation, autotuning,
+    backend probing happen there)."""
+
+    gating_s: float = 0.0
+    first_use_s: dict[str, float] = field(default_factory=dict)
+
+    def first_use(self, form: str, seconds: float) -> None:
+        self.first_use_s.setdefault(form, seconds)
 
 
-def tiers(forms: list[AttentionForm]) -> list[list[AttentionForm]]:
-    """Consecutive forms of one precision class form a tier: within it the fastest passing form wins;
-    a later tier is tried only when no form of an earlier one passed."""
-    out: list[list[AttentionForm]] = []
-    for form in forms:
-        if out and out[-1][0].spec.precision == form.spec.precision:
-            out[-1].append(form)
+@dataclass(frozen=True)
+class Trial:
+    """One (site, shape) to decide: how the host computes it, and how receipts name it."""
+
+    site: str
+    shape: str      # "q=(1,32,2,12)" or "x=(2,9,8)": the shape as the trail names it
+    device: torch.device
+    host: Callable[[], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Built:
+    """What a form built for a trial: `run` computes the trial's output in the host's layout; `product` is what
+    binds (an attention runner, a feed-forward module); `detail` says what was chosen."""
+
+    run: Callable[[], torch.Tensor]
+    product: Any
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Contender:
+    """One form at one trial: its qualification (the broken rule's text, or None) and how to build it."""
+
+    spec: Spec
+    rule: str | None
+    build: Callable[[], Built]
+    timing_key: tuple
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+@dataclass(frozen=True)
+class Measured:
+    contender: Contender
+    built: Built
+    accuracy: Accuracy
+    timing: Timing
+    speed: str  # receipts.figures(...)
+    layout: tuple[int, ...]  # the output's stride order, outermost dim first
+
+
+@dataclass
+class Decision:
+    record: ShapeRecord
+    winner: Measured | None
+    host_out: torch.Tensor | None
+
+
+def tiers(contenders: Sequence[Contender]) -> list[list[Contender]]:
+    """Consecutive forms of one precision class form a tier: within it the fastest passing form wins; a later tier
+    is tried only when no form of an earlier one passed."""
+    out: list[list[Contender]] = []
+    for c in contenders:
+        if out and out[-1][0].spec.precision == c.spec.precision:
+            out[-1].append(c)
         else:
-            out.append([form])
+            out.append([c])
     return out
 
 
-@dataclass
-class _Candidate:
-    form: AttentionForm
-    runner: Runner
-    accuracy: Accuracy
-    timing: Timing
-    figures: str
+def clears(timing: Timing, need: float) -> bool:
+    """The speed gate: the measured ratio reaches the required one."""
+    return timing.speedup >= need
 
 
-def decide_shape(site: str, captured: CapturedCall, forms: list[AttentionForm], options: GateOptions,
-                 timings: TimingCache) -> tuple[ShapeRecord, Runner | None]:
-    call = captured.call
-    if call is None or captured.problem:
-        shape = call.shape_key().describe() if call is not None else "-"
-        return ShapeRecord(shape, captured.count, "host", reason=f"host only: {captured.problem}"), None
-    key = call.shape_key()
-    record = ShapeRecord(key.describe(), captured.count, "host")
-    if not forms:
-        record.reason = "no attention forms selected"
-        return record, None
-    host_out = captured.host()
-    shape_text = f"q={dims(key.q)}"
-    declined: _Candidate | None = None
-    for tier in tiers(forms):
-        passed: list[_Candidate] = []
-        for form in tier:
-            candidate = _measure(form, site, captured, host_out, options, timings, record, shape_text)
-            if candidate is None:
+def decide(trial: Trial, contenders: Sequence[Contender], options: GateOptions, timings: TimingCache,
+           clock: AttachClock, record: ShapeRecord) -> Decision:
+    """Fill `record` (outcome, form, figures, reason, trail) for the trial; the winner binds, if any."""
+    started = time.perf_counter()
+    try:
+        return _decide(trial, contenders, options, timings, clock, record)
+    finally:
+        clock.gating_s += time.perf_counter() - started
+
+
+def _decide(trial: Trial, contenders: Sequence[Contender], options: GateOptions, timings: TimingCache,
+            clock: AttachClock, record: ShapeRecord) -> Decision:
+    host_out = trial.host()
+    declined: Measured | None = None
+    for tier in tiers(contenders):
+        passed: list[Measured] = []
+        for contender in tier:
+            measured = _measure(trial, contender, host_out, options, timings, clock, record)
+            if measured is None:
                 continue
-            if candidate.timing.speedup >= options.speedup_needed(form.spec):
-                passed.append(candidate)
+            need = options.speedup_needed(contender.spec)
+            if clears(measured.timing, need):
+                passed.append(measured)
             else:
-                record.trail.append(f"{form.name}: declined, {candidate.figures} < "
-                                    f"{options.speedup_needed(form.spec)} at {shape_text}, "
-                                    f"{candidate.accuracy.describe()}")
-                declined = declined or candidate
+                record.trail.append(receipts.declined(contender.name, measured.speed, need, trial.shape,
+                                                      measured.accuracy))
+                declined = declined or measured
         if passed:
-            best = max(passed, key=lambda c: c.timing.speedup)
+            best = max(passed, key=lambda m: m.timing.speedup)
             for other in passed:
                 if other is not best:
-                    record.trail.append(f"{other.form.name}: passed at {other.figures}, slower than "
-                                        f"{best.form.name}")
+                    record.trail.append(receipts.slower(other.contender.name, other.speed, best.contender.name))
             _fill(record, "bound", best)
-            record.reason = (f"{best.form.name}: {best.figures} >= {options.speedup_needed(best.form.spec)}, "
-                             f"{best.accuracy.describe()}; {best.runner.detail}")
+            record.reason = receipts.bound(best.contender.name, best.speed,
+                                           options.speedup_needed(best.contender.spec), best.accuracy,
+                                           best.built.detail)
             record.trail.append(record.reason)
-            return record, best.runner
+            return Decision(record, best, host_out)
     if declined is not None:
         _fill(record, "declined", declined)  # reason: that form's measurement; the trail keeps every line
-        record.reason = next(t for t in record.trail if t.startswith(f"{declined.form.name}: declined"))
+        record.reason = next(t for t in record.trail if t.startswith(f"{declined.contender.name}: declined"))
     else:
         record.outcome = "refused"
         record.reason = "; ".join(record.trail)
-    return record, None
+    return Decision(record, None, host_out)
 
 
-def _fill(record: ShapeRecord, outcome: str, c: _Candidate) -> None:
-    record.outcome, record.form, record.speedup = outcome, c.form.name, c.timing.speedup
-    record.cosine, record.max_rel_err = c.accuracy.cosine, c.accuracy.max_rel_err
+def _fill(record: ShapeRecord, outcome: str, m: Measured) -> None:
+    record.outcome, record.form, record.speedup = outcome, m.contender.name, m.timing.speedup
+    record.cosine, record.max_rel_err = m.accuracy.cosine, m.accuracy.max_rel_err
 
 
-def _measure(form: AttentionForm, site: str, captured: CapturedCall, host_out: torch.Tensor,
-             options: GateOptions, timings: TimingCache, record: ShapeRecord,
-             shape_text: str) -> _Candidate | None:
-    """Qualify, then gate accuracy, then time one form; refusals go on the record's trail."""
-    call = captured.call
-    assert call is not None
-    spec = form.spec
-    verdict = qualify(spec, call, form.rule(call), getattr(form, "allow_emulation", False))
-    if not verdict.qualified:
-        record.trail.append(verdict.reason)
+def _measure(trial: Trial, contender: Contender, host_out: torch.Tensor, options: GateOptions,
+             timings: TimingCache, clock: AttachClock, record: ShapeRecord) -> Measured | None:
+    """Qualify, build and run once, gate accuracy, then time; refusals go on the record's trail."""
+    if contender.rule is not None:
+        record.trail.append(receipts.refused(contender.name, contender.rule, trial.shape))
         return None
+    started = time.perf_counter()
     try:
-        runner = form.runner(call)
-        out = runner(call)
+        built = contender.build()
+        with torch.no_grad():
+            out = built.run()
     except Exception as exc:  # a form that cannot build or run here is refused, never fatal
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        record.trail.append(f"{spec.name}: failed to run ({type(exc).__name__}: {message[:200]}) at {shape_text}")
+        record.trail.append(receipts.failed(contender.name, exc, trial.shape))
         return None
-    accuracy = measure_accuracy(call.to_host_layout(out), host_out)
-    floor = options.floor(spec)
+    if trial.device.type == "cuda":
+        torch.cuda.synchronize(trial.device)
+    clock.first_use(contender.name, time.perf_counter() - started)
+    accuracy = measure_accuracy(out, host_out)
+    layout = stride_order(out)
+    del out
+    floor = options.floor(contender.spec)
     if not accuracy.passes(floor):
-        record.trail.append(f"{spec.name}: accuracy {accuracy.describe()} below floor "
-                            f"cos>={floor.min_cosine} err<={floor.max_rel_err} at {shape_text}")
+        record.trail.append(receipts.below_floor(contender.name, accuracy, floor, trial.shape))
         return None
-    timing, timed_at = timings.timed(
-        TimingCache.attention_key(spec, site, call.shape_key()), site,
-        lambda: paired_speedup(captured.host, lambda: runner(call), call.query.device,
-                               rounds=options.rounds_for(call.query.device)))
-    figures = f"{timing.speedup:.3f}x ({timing.host_ms:.3f} -> {timing.form_ms:.3f} ms{timed_at})"
-    return _Candidate(form, runner, accuracy, timing, figures)
 
+    def measure() -> Timing:
+        with torch.no_grad():
+            return paired_speedup(trial.host, built.run, trial.device, rounds=options.rounds_for(trial.device))
 
-@dataclass
-class Decisions:
-    """Decides each (site, shape) when calibration first meets it (the router's `on_capture`), so calibration
-    holds one shape's tensors at a time instead of every site's; `site_record` assembles the plan's records."""
-
-    forms: list[AttentionForm]
-    options: GateOptions
-    timings: TimingCache = field(default_factory=TimingCache)
-    on_decided: Callable[[dict[str, dict[ShapeKey, Runner]]], None] | None = None  # e.g. free unbound staging
-    shapes: dict[str, dict[object, ShapeRecord]] = field(default_factory=dict)
-    routes: dict[str, dict[ShapeKey, Runner]] = field(default_factory=dict)
-    current: str | None = None  # the site being gated, for error messages
-
-    def __call__(self, site: str, key: object, captured: CapturedCall) -> None:
-        self.current = site
-        record, runner = decide_shape(site, captured, self.forms, self.options, self.timings)
-        self.shapes.setdefault(site, {})[key] = record
-        if runner is not None and captured.call is not None:
-            self.routes.setdefault(site, {})[key] = runner
-        if self.on_decided is not None:
-            self.on_decided(self.routes)
-        self.current = None
-
-    def site_record(self, site: str, counts: dict[object, int], uncalled: str) -> tuple[SiteRecord, dict]:
-        """The site's record (call counts from the whole calibration) and its bound runners per shape."""
-        shapes = []
-        for key, record in self.shapes.get(site, {}).items():
-            record.calls = counts.get(key, record.calls)
-            shapes.append(record)
-        if not shapes:
-            shapes.append(ShapeRecord("-", 0, "host", reason=uncalled))
-        return SiteRecord(site, shapes), self.routes.get(site, {})
+    timing, timed_at = timings.timed(contender.timing_key, trial.site, measure)
+    return Measured(contender, built, accuracy, timing, receipts.figures(timing, timed_at), layout)

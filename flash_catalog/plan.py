@@ -64,6 +64,23 @@ class SiteRecord:
                 "memory": self.memory, "shapes": [asdict(s) for s in self.shapes]}
 
 
+@dataclass(frozen=True)
+class AttachTimings:
+    """Where an attach's wall-clock seconds went."""
+
+    total_s: float
+    calibration_s: float  # the example call itself, without the deciding done inside it
+    gating_s: float  # deciding shapes: host runs, forms' first runs and accuracy, paired timing
+    binding_s: float  # switching to routes and letting go of what was not bound
+    first_use_s: dict[str, float] = field(default_factory=dict)  # per form: its first build and run (kernel
+    # compilation, autotuning and backend probing happen there), part of gating_s
+
+    def describe(self) -> str:
+        first = ", ".join(f"{name} {s:.1f}" for name, s in sorted(self.first_use_s.items(), key=lambda i: -i[1]))
+        return (f"attach took {self.total_s:.1f} s: calibration call {self.calibration_s:.1f} s, deciding "
+                f"{self.gating_s:.1f} s (first use: {first or 'none'}), binding {self.binding_s:.1f} s")
+
+
 @dataclass
 class Plan:
     sites: list[SiteRecord]
@@ -75,6 +92,7 @@ class Plan:
     detached: bool = False
     staging: StagingPool | None = field(repr=False, default=None)
     """The attach's staging pool: scratch shared by every bound site (not per site), released by detach."""
+    timings: AttachTimings | None = None
 
     @property
     def fallbacks(self) -> dict[str, int]:
@@ -110,7 +128,7 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         return {"environment": self.environment, "options": self.options, "counts": self.counts(),
-                "memory": self.memory(),
+                "memory": self.memory(), "timings": asdict(self.timings) if self.timings is not None else None,
                 "fallbacks": self.fallbacks, "routed": self.routed, "detached": self.detached,
                 "sites": [s.to_dict() for s in self.sites]}
 
@@ -141,6 +159,8 @@ class Plan:
         if mem["staging_bytes"]:
             footer.append(f"staging shared by the bound attention sites: {_size(mem['staging_bytes'])} in "
                           f"{len(self.staging)} buffers (held by the attach, released on detach)")
+        if self.timings is not None:
+            footer.append(self.timings.describe())
         return "\n".join(lines + footer)
 
 

@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from diffusers.models.attention import FeedForward
+
 from flash_catalog import attach, detach
 from flash_catalog.tiny_hosts import build
 
@@ -36,7 +38,8 @@ def test_fp8_rowwise_binds_named_ffn_sites_and_detaches_exactly():
     assert "bound feed-forward weights on the device" in str(plan)
 
     detach(plan)
-    assert "forward" not in host.model.transformer_blocks[0].ff.__dict__
+    ff = host.model.transformer_blocks[0].ff
+    assert type(ff) is FeedForward and "forward" not in ff.__dict__ and "_flash_catalog" not in ff.__dict__
     assert all(torch.equal(a, r) for a, r in zip(run(host.model, inputs), reference))
 
 
@@ -155,16 +158,16 @@ def test_the_projection_profile_names_its_patterns():
 
 
 def test_alike_ffn_sites_share_one_timing_and_each_gates_its_own_accuracy(monkeypatch):
-    from flash_catalog import decide_ffn
+    from flash_catalog import decide
 
     timed = []
-    real = decide_ffn.paired_speedup
+    real = decide.paired_speedup
 
     def counting(host, form, device, **kw):
         timed.append(device)
         return real(host, form, device, **kw)
 
-    monkeypatch.setattr(decide_ffn, "paired_speedup", counting)
+    monkeypatch.setattr(decide, "paired_speedup", counting)
     host = build("ltx2", dtype=torch.bfloat16)
     plan = attach(host.model, host.inputs(), attention_forms=[], ffn_forms=["fp8_rowwise"], min_speedup=0)
     first, second = plan.site("transformer_blocks.0.ff"), plan.site("transformer_blocks.1.ff")

@@ -4,7 +4,7 @@ Cases: TiRex-like grouped variate attention (128 groups x 17, covariates do not 
 D128, fp32 and bf16), 32 groups x 512 (B8 H8 D64, bf16), an LTX text cross-attention with key padding
 (Sq 24576, Skv 256, 200 valid; B1 H32 D128 bf16) and a causal decoder mask (B1 H32 S4096 D128 bf16).
 Each form is timed against the host with `triton.testing.do_bench` (median); accuracy is against an fp32
-reference; the pick is what the catalog's own gate (`decide_shape`, paired CUDA-event timing) binds.
+reference; the pick is what the catalog's own gate (`decide.decide`, paired CUDA-event timing) binds.
 
     python tools/bench_masks.py [--json bench_masks.json] [--only NAME]
 """
@@ -21,11 +21,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from flash_catalog.adapters.router import CapturedCall  # noqa: E402
 from flash_catalog.binder import default_catalog  # noqa: E402
+from flash_catalog.calibration import attention_contender  # noqa: E402
 from flash_catalog.calls import AttentionCall  # noqa: E402
 from flash_catalog.catalog import build_form  # noqa: E402
-from flash_catalog.decide import GateOptions, TimingCache, decide_shape  # noqa: E402
+from flash_catalog.decide import AttachClock, GateOptions, TimingCache, Trial, decide  # noqa: E402
+from flash_catalog.plan import ShapeRecord  # noqa: E402
 from flash_catalog.environment import environment  # noqa: E402
 from flash_catalog.gate import measure_accuracy  # noqa: E402
 from flash_catalog.masks import describe_mask  # noqa: E402
@@ -99,7 +100,10 @@ def main() -> int:
                                            "err": acc.max_rel_err, "detail": runner.detail}
                 print(f"  {form.name:17} {ms:9.3f} ms  {host_ms / ms:7.2f}x  cos {acc.cosine:.6f} "
                       f"err {acc.max_rel_err:.2e}  {runner.detail}", flush=True)
-            record, _ = decide_shape("bench", CapturedCall(call, host, None), forms, GateOptions(), TimingCache())
+            record = ShapeRecord(call.shape_key().describe(), 1, "host")
+            decide(Trial("bench", f"q={tuple(q.shape)}", device, host),
+                   [attention_contender(f, "bench", call) for f in forms], GateOptions(), TimingCache(), AttachClock(),
+                   record)
         timed = {n: f["ratio"] for n, f in row["forms"].items() if "ratio" in f}
         row["picked"] = record.form if record.outcome == "bound" else None
         row["pick_outcome"], row["pick_reason"] = record.outcome, record.reason

@@ -2,12 +2,15 @@
 
 One BlockMask per (structure, shape), built once when the shape is first served; compiled FlexAttention on
 CUDA (one compilation per shape and block size), eager on CPU. The block size is chosen per shape by
-measurement among the candidates.
+measurement among the candidates. Bound, the form runs inside the catalog's opaque attention op, so a model
+compiled by its user runs this same compiled kernel: what was gated.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
+import types
 import warnings
 
 import torch
@@ -21,22 +24,25 @@ from .base import AttentionForm, Runner
 BLOCK_SIZES = {"cuda": (128, 64), "cpu": (128,)}
 
 
-@functools.cache
+def _flex(q, k, v, block_mask, scale, enable_gqa, kernel_options):
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
+                          kernel_options=kernel_options)
+
+
 def compiled_flex():
-    """torch.compile'd flex_attention, made once per process (`compiled_flex.cache_clear()` resets it).
+    """A torch.compile'd FlexAttention with a code object of its own: each served shape compiles into a cache of
+    its own, so dynamo's per-code recompile limit never sends a shape to the slow eager path, and no global
+    dynamo setting is changed."""
+    code = _flex.__code__.replace(co_name=f"flex_{next(_COMPILED)}")
+    fresh = types.FunctionType(code, _flex.__globals__, code.co_name, _flex.__defaults__, _flex.__closure__)
+    return torch.compile(fresh, dynamic=False)
 
-    Every served shape is one compilation; dynamo's default limit (8) would silently send later shapes to
-    the slow eager path, so the limit is raised to at least 64.
-    """
-    import torch._dynamo
 
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    return torch.compile(flex_attention, dynamic=False)
+_COMPILED = itertools.count()
 
 
 def _run(fn, block_mask, kernel_options, call: AttentionCall) -> torch.Tensor:
-    return fn(call.query, call.key, call.value, block_mask=block_mask, scale=call.scale,
-              enable_gqa=call.enable_gqa, kernel_options=kernel_options)
+    return fn(call.query, call.key, call.value, block_mask, call.scale, call.enable_gqa, kernel_options)
 
 
 class FlexBlocksparse(AttentionForm):
@@ -51,7 +57,7 @@ class FlexBlocksparse(AttentionForm):
 
     def build(self, call: AttentionCall) -> Runner:
         device = call.query.device
-        fn = compiled_flex() if device.type == "cuda" else flex_attention
+        fn = compiled_flex() if device.type == "cuda" else _flex
         sq, skv = call.query.shape[2], call.key.shape[2]
         timings: dict[int, tuple[float, Runner]] = {}
         for block in BLOCK_SIZES.get(device.type, (128,)):

@@ -1,0 +1,191 @@
+"""Calibration: the example call runs once, and each (site, shape) it meets is decided at that moment, for attention
+and feed-forward sites alike (`decide.decide`); the captured inputs are let go as soon as that shape is decided, so
+an attach holds one shape key's captures at a time. A bound feed-forward site routes (and gives up its host
+weights) from then on; an attention site's route is added to its slot, used once calibration ends.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from . import receipts
+from .adapters.ffn import FfnKey, FfnSite, ffn_key
+from .adapters.routes import Alternative, RouteTable
+from .adapters.router import SiteSlot
+from .calls import AttentionCall, ShapeKey, StaticKey, dims, dtype_name
+from .decide import AttachClock, Built, Contender, Decision, GateOptions, TimingCache, Trial, decide
+from .forms.base import AttentionForm, Runner
+from .forms.ffn_base import FfnForm
+from .kernels.staging import StagingKey, StagingPool
+from .mask_check import MaskCheck
+from .memory import module_tensors, tensor_bytes
+from .plan import ShapeRecord
+from .qualify import envelope_rule, tensor_rule
+
+log = logging.getLogger("flash_catalog")
+
+
+def describe_input(x: torch.Tensor) -> str:
+    rows = x.numel() // x.shape[-1] if x.dim() else 0
+    return f"x={dims(x.shape)} {dtype_name(x.dtype)} rows={rows}"
+
+
+def ffn_timing_key(form: str, module: nn.Module, key: FfnKey) -> tuple:
+    """Speed depends on the module's architecture and the input's shape, not on the data: the blocks of a deep
+    model share one timing per (form, architecture, input key); accuracy is still gated at every site."""
+    params = tuple((n, tuple(p.shape), p.dtype, p.device.type) for n, p in module.named_parameters())
+    kinds = tuple((type(m).__qualname__, getattr(m, "approximate", None)) for m in module.modules())
+    return form, params, kinds, key
+
+
+def attention_contender(form: AttentionForm, site: str, call: AttentionCall) -> Contender:
+    """An attention form at one captured call: its envelope (then its own narrowing rule), and its runner."""
+    spec = form.spec
+    rule = envelope_rule(spec.envelope, call, getattr(form, "allow_emulation", False)) or form.rule(call)
+
+    def build() -> Built:
+        runner = form.runner(call)
+        return Built(lambda: call.to_host_layout(runner(call)), runner, runner.detail)
+
+    return Contender(spec, rule, build, (spec.name, call.shape_key() if spec.latency.per_shape else site))
+
+
+@dataclass
+class Progress:
+    """Logs each new (site, shape) as calibration meets it: "site k of n"."""
+
+    total: int | None  # None: sites are discovered by calibration
+    seen: set[str] = field(default_factory=set)
+
+    def meet(self, site: str, shape: str) -> None:
+        self.seen.add(site)
+        of = f" of {self.total}" if self.total is not None else ""
+        log.info("flash_catalog: deciding %s at %s (site %d%s)", site, shape, len(self.seen), of)
+
+
+@dataclass
+class Calibration:
+    """The decisions of one attach, taken as the calibration call meets each (site, shape)."""
+
+    attention_forms: list[AttentionForm]
+    ffn_forms: list[FfnForm]
+    options: GateOptions
+    routes: RouteTable
+    staging: StagingPool
+    progress: Progress
+    timings: TimingCache = field(default_factory=TimingCache)
+    clock: AttachClock = field(default_factory=AttachClock)
+    attention: dict[str, dict[Any, ShapeRecord]] = field(default_factory=dict)
+    ffn: dict[str, dict[FfnKey, ShapeRecord]] = field(default_factory=dict)
+    ffn_memory: dict[str, dict[str, int]] = field(default_factory=dict)
+    bound_keys: set[ShapeKey] = field(default_factory=set)
+    current: str | None = None  # the site being decided, for error messages
+    _alternatives: dict[tuple[str, int, StaticKey], list[Alternative]] = field(default_factory=dict)
+    _checks: dict[tuple[StaticKey, Any], MaskCheck] = field(default_factory=dict)
+
+    # -- attention: the router's capture ---------------------------------------------------------------------
+    def meet_attention(self, slot: SiteSlot, ordinal: int, call: AttentionCall | None, problem: str | None,
+                       original: Callable[..., torch.Tensor], args: tuple, kwargs: dict) -> torch.Tensor:
+        def host() -> torch.Tensor:
+            return original(*args, **kwargs)
+
+        site = f"{slot.path}#{ordinal}"
+        slot.table(ordinal)
+        key = call.shape_key() if call is not None else f"unroutable: {problem}"
+        records = self.attention.setdefault(site, {})
+        if key in records:
+            records[key].calls += 1
+            return host()
+        problem = problem or (call.unroutable() if call is not None else None)
+        record = ShapeRecord(key.describe() if call is not None else "-", 1, "host")
+        records[key] = record
+        if call is None or problem:
+            record.reason = receipts.host_only(problem or "")
+            return host()
+        slot.known[ordinal].add(call.static_key())
+        if not self.attention_forms:
+            record.reason = receipts.NO_FORMS.format(family="attention")
+            return host()
+        shape = f"q={dims(call.host_shape(call.query))}"
+        decision = self._decide(site, record, shape, call.query.device, host,
+                                [attention_contender(form, site, call) for form in self.attention_forms])
+        if decision.winner is not None:
+            self._route(slot, ordinal, call, original, decision.winner.built.product, decision.winner.layout)
+        self.staging.keep_only(self.staging_keys())
+        return decision.host_out
+
+    def _route(self, slot: SiteSlot, ordinal: int, call: AttentionCall, original: Callable[..., torch.Tensor],
+               runner: Runner, layout: tuple[int, ...]) -> None:
+        """Add the bound form to the site's route for the call's static key (one alternative per mask structure)."""
+        static = call.static_key()
+        check = None
+        if call.attn_mask is not None:
+            check = self._checks.get((static, call.mask))
+            if check is None:
+                check = self._checks[(static, call.mask)] = MaskCheck.of(call.attn_mask, call.mask)
+        alternatives = self._alternatives.setdefault((slot.path, ordinal, static), [])
+        alternatives.append(Alternative(call.mask, check, runner))
+        slot.table(ordinal)[static] = self.routes.intern(static, original, call.static, tuple(alternatives), layout)
+        self.bound_keys.add(call.shape_key())
+
+    def staging_keys(self) -> set[StagingKey]:
+        """The staging buffers the bound runners draw (sites of one shape share them)."""
+        return {k for r in self.routes.routes.values() for a in r.alternatives for k in a.runner.staging}
+
+    # -- feed-forward: each site's calibrating forward ---------------------------------------------------------
+    def meet_ffn(self, site: FfnSite, x: torch.Tensor) -> torch.Tensor:
+        key = ffn_key(x)
+        records = self.ffn.setdefault(site.path, {})
+        if key in records:
+            records[key].calls += 1
+            return site.replacement(x) if key in site.keys else site.host_forward(x)
+        site.known.add(key)
+        record = records[key] = ShapeRecord(describe_input(x), 1, "host")
+        if not self.ffn_forms:
+            record.reason = receipts.NO_FORMS.format(family="ffn")
+            return site.host_forward(x)
+        forms = [f for f in self.ffn_forms if site.form is None or f.name == site.form]  # one module per site
+        built: dict[str, nn.Module] = {}
+        contenders = [self._ffn_contender(form, site, x, key, built) for form in forms]
+        decision = self._decide(site.path, record, f"x={dims(x.shape)}", x.device, lambda: site.host_forward(x),
+                                contenders)
+        if decision.winner is not None:
+            module = decision.winner.built.product
+            if site.replacement is None:
+                self.ffn_memory[site.path] = _memory(site.module, module, x.device.type)
+            site.bind(decision.winner.contender.name, module, key)
+        return decision.host_out
+
+    def _ffn_contender(self, form: FfnForm, site: FfnSite, x: torch.Tensor, key: FfnKey,
+                       built: dict[str, nn.Module]) -> Contender:
+        rule = tensor_rule(form.spec.envelope, x) or form.rule(site.module, x)
+
+        def build() -> Built:
+            module = site.replacement if site.form == form.name else built.get(form.name)
+            if module is None:
+                module = built[form.name] = form.build(site.module)
+            return Built(lambda: module(x), module)
+
+        return Contender(form.spec, rule, build, ffn_timing_key(form.name, site.module, key))
+
+    # -- both ------------------------------------------------------------------------------------------------
+    def _decide(self, site: str, record: ShapeRecord, shape: str, device: torch.device,
+                host: Callable[[], torch.Tensor], contenders: list[Contender]) -> Decision:
+        self.current = site
+        self.progress.meet(site, shape)
+        decision = decide(Trial(site, shape, device, host), contenders, self.options, self.timings, self.clock,
+                          record)
+        self.current = None
+        return decision
+
+
+def _memory(host: nn.Module, form: nn.Module, device_type: str) -> dict[str, int]:
+    host_bytes = tensor_bytes(module_tensors(host), device_type=device_type)
+    form_bytes = tensor_bytes(module_tensors(form), device_type=device_type)
+    return {"form_bytes": form_bytes, "host_bytes": host_bytes, "delta_bytes": form_bytes - host_bytes}
+

@@ -1,0 +1,48 @@
+"""The receipt's sentences: every line a decision writes onto a shape's trail or reason, in one place.
+
+Each names the form, what was measured or which rule broke, and the shape, so a reader of the plan can tell why."""
+
+from __future__ import annotations
+
+from .gate import Accuracy, Timing
+from .specs import AccuracyFloor
+
+
+def figures(timing: Timing, timed_at: str) -> str:
+    """The speed measurement: ratio and the two times, from one statistic (gate.Timing)."""
+    return f"{timing.speedup:.3f}x ({timing.host_ms:.3f} -> {timing.form_ms:.3f} ms{timed_at})"
+
+
+def refused(form: str, rule: str, shape: str) -> str:
+    return f"{form}: {rule} at {shape}"
+
+
+def failed(form: str, exc: BaseException, shape: str, stage: str = "run") -> str:
+    text = str(exc).strip()
+    message = text.splitlines()[0][:200] if text else ""
+    return f"{form}: failed to {stage} ({type(exc).__name__}: {message}) at {shape}"
+
+
+def below_floor(form: str, accuracy: Accuracy, floor: AccuracyFloor, shape: str) -> str:
+    return (f"{form}: accuracy {accuracy.describe()} below floor cos>={floor.min_cosine} "
+            f"err<={floor.max_rel_err} at {shape}")
+
+
+def declined(form: str, speed: str, need: float, shape: str, accuracy: Accuracy) -> str:
+    return f"{form}: declined, {speed} < {need} at {shape}, {accuracy.describe()}"
+
+
+def bound(form: str, speed: str, need: float, accuracy: Accuracy, detail: str) -> str:
+    return f"{form}: {speed} >= {need}, {accuracy.describe()}" + (f"; {detail}" if detail else "")
+
+
+def slower(form: str, speed: str, winner: str) -> str:
+    return f"{form}: passed at {speed}, slower than {winner}"
+
+
+def host_only(problem: str) -> str:
+    return f"host only: {problem}"
+
+
+NO_FORMS = "no {family} forms selected"
+NOT_CALLED = "not called during calibration"
