@@ -146,24 +146,49 @@ _INTERPRETED_KERNEL_CHECK = textwrap.dedent("""
 """)
 
 
+_UNINTERPRETED_CPU_CHECK = textwrap.dedent("""
+    import os, torch
+    assert "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available()
+    from flash_catalog.kernels import fp8_rowwise as fp8
+    assert not fp8._interpreting()
+    assert not fp8.fused_kernel_serves(torch.zeros(4, 64))
+    try:
+        fp8.quantize_rows_fp8_triton(torch.zeros(4, 64))
+    except ValueError as exc:
+        assert "fused kernel" in str(exc), exc
+    else:
+        raise AssertionError("the fused kernel ran on cpu without the interpreter")
+    print("ok")
+""")
+
+
+def run_child(code: str, **env: str | None) -> None:
+    """Run `code` in a child Python with this checkout first on its path and `env` over this process's environment
+    (None removes a variable), so the child imports triton under its own TRITON_INTERPRET; it must print "ok"."""
+    child_env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    for key, value in env.items():
+        if value is not None:
+            child_env[key] = value
+        else:
+            child_env.pop(key, None)
+    done = subprocess.run([sys.executable, "-c", code], env=child_env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter check is for CUDA-less machines")
 def test_row_quant_triton_kernel_interpreted_on_cpu():
     """The fused kernel through Triton's interpreter, in a child process whose TRITON_INTERPRET=1 is set before
     triton is imported (so this process's own triton state, and other tests, are untouched)."""
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
-        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    done = subprocess.run([sys.executable, "-c", _INTERPRETED_KERNEL_CHECK], env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr
+    run_child(_INTERPRETED_KERNEL_CHECK, TRITON_INTERPRET="1")
 
 
 def test_fused_kernel_not_used_on_cpu_without_interpreter():
-    if fp8._interpreting():
-        pytest.skip("TRITON_INTERPRET is set in this process")
-    assert not fp8.fused_kernel_serves(torch.zeros(4, 64))
-    with pytest.raises(ValueError, match="fused kernel"):
-        fp8.quantize_rows_fp8_triton(torch.zeros(4, 64))
+    """In a child process that imports triton without TRITON_INTERPRET and sees no GPU (this one has the variable
+    set by conftest before triton's import): the fused kernel serves no CPU rows and its entry point refuses."""
+    pytest.importorskip("triton")
+    run_child(_UNINTERPRETED_CPU_CHECK, TRITON_INTERPRET=None, CUDA_VISIBLE_DEVICES="")
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
@@ -508,8 +533,9 @@ def test_cuda_fp8_form_matches_host(activation, dtype):
         x = torch.randn(1, m, 64, dtype=dtype, device="cuda")
         assert form.rule(ff, x) is None
         built = form.build(ff)
-        unfused = form.build(ff)
-        unfused.fuse_activation = False
+        unfused_form = fp8_form()
+        unfused_form.fuse_activation = False
+        unfused = unfused_form.build(ff)
         with torch.no_grad():
             y, y_unfused, ref = built(x), unfused(x), ff(x)
         assert y.dtype == dtype and y.shape == ref.shape

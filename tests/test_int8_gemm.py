@@ -224,9 +224,11 @@ def test_quantize_refuses_bad_arguments():
 # GPU (the H200): every candidate configuration compiles and is exact
 # --------------------------------------------------------------------------------------------------------------------
 
+CONFIG_ID = "{BLOCK_M}x{BLOCK_N}x{BLOCK_K}_w{num_warps}_s{num_stages}_tma{tma:d}_p{persistent:d}"
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [None, *CONFIGS], ids=lambda c: "default" if c is None else
-                         "{BLOCK_M}x{BLOCK_N}x{BLOCK_K}_w{num_warps}_s{num_stages}_tma{tma:d}_p{persistent:d}".format(**c))
+@pytest.mark.parametrize("config", [None, *CONFIGS], ids=lambda c: "default" if c is None else CONFIG_ID.format(**c))
 @pytest.mark.parametrize("m,n,k", [(512, 1024, 768), (1000, 1000, 784), (300, 520, 776)])
 def test_gpu_configs_exact(config, m, n, k):
     a, a_scale, w, w_scale, bias = _operands(m, n, k, bias_dtype=torch.bfloat16, seed=5, device="cuda")

@@ -5,6 +5,10 @@ on every call (on CUDA by one fused Triton kernel, which also applies the host's
 before quantizing the projection's output). The gated activations (GEGLU, SwiGLU) and ApproximateGELU run the
 host's own torch expressions in the input dtype. Dropout is the identity (inference; the rule refuses training).
 
+The quantized linears run as the custom op `flash_catalog::w8a8_linear` (kernels/linear_ops.py), which
+torch.compile traces without a graph break; forward reads, besides its buffers, only what is the same for every
+module of one architecture (dtype, activation, scheme, fusion), so alike modules share one compiled graph.
+
 This file also holds what both FFN forms share: reading the host's layout, its activation, its narrowing rules.
 """
 
@@ -19,7 +23,8 @@ from torch import nn
 
 from ..adapters.swap import host_type
 from ..calls import dtype_name
-from ..kernels.fp8_rowwise import fp8_linear, quantize_weight_fp8
+from ..kernels.fp8_rowwise import quantize_weight_fp8
+from ..kernels.linear_ops import w8a8_linear
 from .ffn_base import FfnForm
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "geglu", "swiglu", "approx_gelu", "linear_silu")
@@ -180,15 +185,15 @@ def copied_bias(linear: nn.Linear) -> torch.Tensor:
 @dataclass(frozen=True)
 class Scheme:
     """How a quantized module stores a weight and runs a linear: codes and per-output-channel scales from
-    `quantize_weight(w)`, and `linear(x, codes, scales, bias, out_dtype, activation=None)` with x quantized per
-    row (the activation applied to x first, fused into the row quantiser)."""
+    `quantize_weight(w)`; the linear is the op `flash_catalog::w8a8_linear` with `name` as its scheme, x
+    quantized per row (a pointwise activation applied to x first, fused into the row quantiser)."""
 
     label: str
+    name: str
     quantize_weight: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-    linear: Callable[..., torch.Tensor]
 
 
-FP8 = Scheme("fp8 e4m3 rowwise", quantize_weight_fp8, fp8_linear)
+FP8 = Scheme("fp8 e4m3 rowwise", "fp8", quantize_weight_fp8)
 
 
 class QuantizedModule(nn.Module):
@@ -233,12 +238,12 @@ class QuantizedFeedForward(QuantizedModule):
         del args, kwargs  # the host ignores them too (a deprecated `scale`)
         x = hidden_states
         self.check_input(x)
-        linear = self.scheme.linear
-        h = linear(x, self.w1_q, self.w1_scale, self.b1, self.dtype)
+        scheme = self.scheme.name
+        h = w8a8_linear(x, self.w1_q, self.w1_scale, self.b1, scheme, None, self.dtype)
         fused = FUSED_ACTIVATIONS.get(self.activation) if self.fuse_activation else None
         if fused is None:
             h = host_activation(h, self.activation)
-        return linear(h, self.w2_q, self.w2_scale, self.b2, self.dtype, activation=fused)
+        return w8a8_linear(h, self.w2_q, self.w2_scale, self.b2, scheme, fused, self.dtype)
 
 
 class QuantizedUpFeedForward(QuantizedModule):
@@ -260,9 +265,8 @@ class QuantizedUpFeedForward(QuantizedModule):
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         del args, kwargs  # the host ignores them too (a deprecated `scale`)
         self.check_input(hidden_states)
-        h = host_activation(fp8_linear(hidden_states, self.w1_q, self.w1_scale, self.b1, self.dtype),
-                            self.activation)
-        return F.linear(h, self.w2, self.b2)
+        h = w8a8_linear(hidden_states, self.w1_q, self.w1_scale, self.b1, FP8.name, None, self.dtype)
+        return F.linear(host_activation(h, self.activation), self.w2, self.b2)
 
 
 class QuantizedLinear(QuantizedModule):
@@ -276,7 +280,7 @@ class QuantizedLinear(QuantizedModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.check_input(x)
-        return self.scheme.linear(x, self.w_q, self.w_scale, self.bias, self.dtype)
+        return w8a8_linear(x, self.w_q, self.w_scale, self.bias, self.scheme.name, None, self.dtype)
 
 
 def linear_rule(module: nn.Linear, x: torch.Tensor) -> str | None:

@@ -8,10 +8,10 @@ times less than e4m3's 3-bit mantissa: on random data cosine 0.99995 per GEMM, w
 
 from __future__ import annotations
 
-from ..kernels.int8_gemm import int8_linear, quantize_weight_int8
+from ..kernels.int8_gemm import quantize_weight_int8
 from .fp8_rowwise import Fp8RowwiseFfn, Scheme
 
-INT8 = Scheme("int8 rowwise", quantize_weight_int8, int8_linear)
+INT8 = Scheme("int8 rowwise", "int8", quantize_weight_int8)
 
 
 class Int8RowwiseFfn(Fp8RowwiseFfn):

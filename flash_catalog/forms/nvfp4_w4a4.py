@@ -2,7 +2,9 @@
 
 Only the exact emulation exists (`flash_catalog.kernels.nvfp4`): the native FP4 GEMM needs sm_100+ (Blackwell),
 which could not be tested, so this form runs only where the binder opts in with `allow_emulation=True`. The
-emulation is slower than the host: it serves accuracy studies of the W4A4 arithmetic, not speed.
+emulation is slower than the host: it serves accuracy studies of the W4A4 arithmetic, not speed. Its linears run
+as the custom op `flash_catalog::nvfp4_linear` (kernels/linear_ops.py), which torch.compile traces whole and
+leaves unchanged.
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kernels.nvfp4 import NvFp4Tensor, nvfp4_linear, quantize_nvfp4
+from ..kernels.linear_ops import nvfp4_linear
+from ..kernels.nvfp4 import NvFp4Tensor, quantize_nvfp4
 from .ffn_base import FfnForm
 from .fp8_rowwise import QuantizedModule, adopt_layout, copied_bias, ffn_rule, host_activation
 
@@ -41,9 +44,9 @@ class NvFp4FeedForward(QuantizedModule):
         del args, kwargs  # the host ignores them too (a deprecated `scale`)
         x = hidden_states
         self.check_input(x)
-        h = nvfp4_linear(x, self.weight("w1"), self.b1, self.dtype, emulate=True)
+        h = nvfp4_linear(x, self.w1_codes, self.w1_block_scale, self.w1_global_scale, self.b1, self.dtype)
         h = host_activation(h, self.activation)
-        return nvfp4_linear(h, self.weight("w2"), self.b2, self.dtype, emulate=True)
+        return nvfp4_linear(h, self.w2_codes, self.w2_block_scale, self.w2_global_scale, self.b2, self.dtype)
 
 
 def device_rule(x: torch.Tensor, allow_emulation: bool) -> str | None:
