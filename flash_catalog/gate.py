@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from dataclasses import dataclass
+from enum import Enum
 from typing import Callable
 
 import torch
@@ -45,12 +47,99 @@ def measure_accuracy(out: torch.Tensor, ref: torch.Tensor) -> Accuracy:
     return Accuracy(cos, err)
 
 
+Timer = Callable[[Callable[[], object], int], float]
+"""`timer(fn, reps)` -> seconds per call of `fn` over `reps` back-to-back calls; injectable so that a synthetic
+clock can drive the real gate in tests."""
+
+CONFIDENCE = 0.95
+"""Coverage of `Timing.low`-`Timing.high`, the signed-rank confidence interval of the speedup."""
+
+
+class SpeedVerdict(Enum):
+    """What a timing says about a required speedup, with confidence (`Timing.verdict`)."""
+
+    FASTER = "faster"  # the whole interval reaches the required speedup: bind
+    NOT_FASTER = "not faster"  # the whole interval lies below it: decline
+    UNDECIDED = "undecided"  # the interval straddles it, even after the extra rounds: decline
+
+
 @dataclass(frozen=True)
 class Timing:
-    speedup: float  # median over rounds of host time / form time
+    """A paired timing. `speedup` is the Hodges-Lehmann centre of the per-round ratios host time / form time
+    (`pseudo_median` of their logarithms: pairing cancels drift common to both sides, ranks shrug off a wild
+    round); `low`-`high` is its `CONFIDENCE` interval (`signed_rank_interval`). `host_ms` is the median host
+    time per call and `form_ms` = host_ms / speedup, so the receipt's three figures agree by construction.
+    `threads` (torch's intra-op threads) and `load_1m` (the 1-minute load average) describe a CPU run, where
+    other work on the machine is the usual noise; None on other devices."""
+
+    ratios: tuple[float, ...]  # host time / form time per round, in the order measured
+    speedup: float
     host_ms: float
     form_ms: float
-    rounds: int
+    low: float
+    high: float
+    threads: int | None = None
+    load_1m: float | None = None
+
+    @property
+    def rounds(self) -> int:
+        return len(self.ratios)
+
+    def verdict(self, need: float) -> SpeedVerdict:
+        """FASTER when the interval's lower end reaches `need`, NOT_FASTER when its upper end is below it;
+        `need` <= 0 asks for no speed at all (a forced bind) and is always FASTER."""
+        if need <= 0 or self.low >= need:
+            return SpeedVerdict.FASTER
+        return SpeedVerdict.NOT_FASTER if self.high < need else SpeedVerdict.UNDECIDED
+
+    def describe(self) -> str:
+        """`1.240x (0.186 -> 0.150 ms, spread 1.180-1.310x, 9 rounds)`."""
+        return (f"{self.speedup:.3f}x ({self.host_ms:.3f} -> {self.form_ms:.3f} ms, "
+                f"spread {self.low:.3f}-{self.high:.3f}x, {self.rounds} rounds)")
+
+    def reason(self, need: float) -> str:
+        """The verdict for `need` with the figures, for a receipt: `undecided (need 1.02x): 1.031x (...)`."""
+        return f"{self.verdict(need).value} (need {need}x): {self.describe()}"
+
+
+def summarize(host_s: list[float], form_s: list[float], device: torch.device) -> Timing:
+    """The `Timing` of paired samples (seconds per call, one pair per round)."""
+    ratios = tuple(max(h, 1e-12) / max(f, 1e-12) for h, f in zip(host_s, form_s))
+    logs = [math.log(r) for r in ratios]
+    center, (low, high) = pseudo_median(logs), signed_rank_interval(logs)
+    speedup, host_ms = math.exp(center), statistics.median(host_s) * 1e3
+    cpu = device.type == "cpu"
+    load = os.getloadavg()[0] if cpu and hasattr(os, "getloadavg") else None
+    return Timing(ratios, speedup, host_ms, host_ms / speedup, math.exp(low), math.exp(high),
+                  torch.get_num_threads() if cpu else None, load)
+
+
+def walsh_averages(values: list[float]) -> list[float]:
+    """Sorted means of every pair of values, each value paired with itself included: n(n+1)/2 of them."""
+    return sorted((a + b) / 2 for i, a in enumerate(values) for b in values[i:])
+
+
+def pseudo_median(values: list[float]) -> float:
+    """The Hodges-Lehmann estimate: the median of the Walsh averages. Nearly as efficient as the mean on
+    normal noise, and one wild round moves it by about one rank, not by its size."""
+    return statistics.median(walsh_averages(values))
+
+
+def signed_rank_interval(values: list[float], confidence: float = CONFIDENCE) -> tuple[float, float]:
+    """The `confidence` interval of the pseudo-median from the Wilcoxon signed-rank test: Walsh averages k and
+    M+1-k of M, for the largest k whose two tails P(T < k) of the signed-rank statistic T stay within
+    1 - confidence. Below 6 values no k reaches 95%: the full range (less confidence)."""
+    walsh = walsh_averages(values)
+    counts = [1]  # counts[s]: subsets of 1..n with rank sum s, built one rank at a time
+    for rank in range(1, len(values) + 1):
+        counts = [c + (counts[s - rank] if s >= rank else 0)
+                  for s, c in enumerate(counts + [0] * rank)]
+    alpha_total = (1 - confidence) * 2 ** len(values)
+    k, tail = 1, counts[0]  # tail: the count of T < k
+    while k < (len(walsh) + 1) // 2 and 2 * (tail + counts[k]) <= alpha_total:
+        tail += counts[k]
+        k += 1
+    return walsh[k - 1], walsh[len(walsh) - k]
 
 
 # A GPU's clock follows its power draw with a lag of tens of milliseconds. Timed right after the other side, a call
@@ -62,19 +151,24 @@ SETTLE_S = {"cuda": 0.1, "cpu": 0.0}
 
 
 def paired_speedup(host: Callable[[], object], form: Callable[[], object], device: torch.device,
-                   rounds: int = 15, warmup: int = 2, min_round_s: float = 2e-3,
-                   settle_s: float | None = None) -> Timing:
-    """Alternate host and form timings round by round; the ratio is the median of per-round ratios.
+                   rounds: int = 15, warmup: int = 2, min_round_s: float = 2e-3, settle_s: float | None = None,
+                   need: float | None = None, max_rounds: int | None = None, timer: Timer | None = None) -> Timing:
+    """Alternate host and form timings round by round (host first in even rounds, form first in odd ones).
 
     Each timed sample repeats its call enough times to last about `min_round_s` (counted per side), so short
-    calls are not measured as launch noise, and follows an untimed run of the same call lasting about `settle_s` (None:
-    `SETTLE_S` for the device type), so each side is timed in its own steady clock and power state. CUDA
-    events on GPU, `time.perf_counter` on CPU.
+    calls are not measured as launch noise, and follows an untimed run of the same call lasting about `settle_s`
+    (None: `SETTLE_S` for the device type), so each side is timed in its own steady clock and power state.
+    With `need` (the speedup a bind requires), a timing still UNDECIDED after `rounds` takes `rounds` more at a
+    time, up to `max_rounds` (None: 3 x rounds), since the interval narrows as rounds accrue. `timer` (None: CUDA
+    events on GPU, `time.perf_counter` on CPU) measures `timer(fn, reps)` seconds per call.
     """
-    timer = _cuda_timer if device.type == "cuda" else _cpu_timer
+    timer = timer or (_cuda_timer if device.type == "cuda" else _cpu_timer)
     settle_s = SETTLE_S.get(device.type, 0.0) if settle_s is None else settle_s
+    max_rounds = 3 * rounds if max_rounds is None else max_rounds
     if settle_s < 0:
         raise ValueError(f"settle_s={settle_s}; expected seconds >= 0")
+    if rounds < 1 or max_rounds < rounds:
+        raise ValueError(f"rounds={rounds}, max_rounds={max_rounds}; expected 1 <= rounds <= max_rounds")
     for _ in range(warmup):
         host()
         form()
@@ -88,19 +182,23 @@ def paired_speedup(host: Callable[[], object], form: Callable[[], object], devic
             fn()
         return timer(fn, reps)
 
-    ratios, host_t, form_t = [], [], []
-    for r in range(rounds):
-        if r % 2 == 0:
-            h = sample(host, host_plan)
-            f = sample(form, form_plan)
-        else:
-            f = sample(form, form_plan)
-            h = sample(host, host_plan)
-        ratios.append(h / max(f, 1e-12))
-        host_t.append(h)
-        form_t.append(f)
-    return Timing(statistics.median(ratios), statistics.median(host_t) * 1e3,
-                  statistics.median(form_t) * 1e3, rounds)
+    host_s: list[float] = []
+    form_s: list[float] = []
+
+    def take(count: int) -> Timing:
+        for _ in range(count):
+            if len(host_s) % 2 == 0:
+                host_s.append(sample(host, host_plan))
+                form_s.append(sample(form, form_plan))
+            else:
+                form_s.append(sample(form, form_plan))
+                host_s.append(sample(host, host_plan))
+        return summarize(host_s, form_s, device)
+
+    timing = take(rounds)
+    while need is not None and timing.verdict(need) is SpeedVerdict.UNDECIDED and timing.rounds < max_rounds:
+        timing = take(min(rounds, max_rounds - timing.rounds))
+    return timing
 
 
 def repeats(min_round_s: float, call_s: float, limit: int = 1000) -> int:

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
+import os
+import random
+import re
 import time
 
 import pytest
 import torch
 
-from flash_catalog.gate import SETTLE_S, paired_speedup, repeats, settle_calls
+from flash_catalog.gate import (SETTLE_S, SpeedVerdict, Timing, paired_speedup, repeats, settle_calls,
+                                signed_rank_interval, summarize, walsh_averages)
 
 CPU = torch.device("cpu")
 
@@ -72,7 +77,8 @@ def test_settling_times_the_form_in_its_own_steady_state():
 
     alternating = paired_speedup(host, form, CPU, rounds=3, warmup=1, min_round_s=0.0, settle_s=0.0)
     settled = paired_speedup(host, form, CPU, rounds=3, warmup=1, min_round_s=0.0, settle_s=0.02)
-    assert alternating.speedup < 0.6, alternating
+    # rounds where the form follows the host measure it 3x slower; the form-first round 4x faster
+    assert alternating.speedup < 1.0 and min(alternating.ratios) < 0.5, alternating
     assert settled.speedup > 2.0, settled
 
 
@@ -90,3 +96,114 @@ def test_each_side_repeats_only_as_often_as_its_own_duration_needs():
     paired_speedup(host, form, CPU, rounds=3, warmup=1, min_round_s=2e-3, settle_s=0.0)
     assert calls["form"] == 1 + 1 + 3  # warm-up, the one-call estimate, one per round
     assert calls["host"] > 3 + 2  # the fast host is repeated within each sample
+
+
+# A synthetic clock drives the real gate: the host takes 1.0 s, the form 1 / true_speedup s, each sample scaled by
+# independent uniform noise of +-20%. Nothing sleeps; each gate run takes about a millisecond.
+
+def _host() -> None:
+    pass
+
+
+def _form() -> None:
+    pass
+
+
+def _clock(true_speedup: float, seed: int, noise: float = 0.2):
+    rng = random.Random(seed)
+
+    def timer(fn, reps: int) -> float:
+        base = 1.0 if fn is _host else 1.0 / true_speedup
+        return base * rng.uniform(1 - noise, 1 + noise)
+
+    return timer
+
+
+def _gate(true_speedup: float, seed: int, need: float | None = 1.02, rounds: int = 9, **kw) -> Timing:
+    return paired_speedup(_host, _form, CPU, rounds=rounds, warmup=0, need=need,
+                          timer=_clock(true_speedup, seed), **kw)
+
+
+@pytest.mark.parametrize("true_speedup, allowed", [
+    (1.2, {SpeedVerdict.FASTER}),
+    (0.9, {SpeedVerdict.NOT_FASTER, SpeedVerdict.UNDECIDED}),  # both decline
+])
+def test_the_decision_survives_20_percent_noise(true_speedup, allowed):
+    verdicts = [_gate(true_speedup, seed).verdict(1.02) for seed in range(100)]
+    assert sum(v in allowed for v in verdicts) >= 99, collections.Counter(verdicts)
+
+
+def test_an_even_form_is_not_called_faster():
+    verdicts = collections.Counter(_gate(1.0, seed).verdict(1.02) for seed in range(100))
+    assert verdicts[SpeedVerdict.FASTER] <= 10, verdicts  # ~2% over 2000 seeds, 0-6 per block of 100
+
+
+def test_the_receipt_figures_agree():
+    timing = _gate(1.2, 7)
+    assert timing.host_ms / timing.form_ms == pytest.approx(timing.speedup, rel=1e-12)
+    assert timing.low <= timing.speedup <= timing.high
+    assert timing.rounds == len(timing.ratios) == 9
+    printed = re.fullmatch(r"([\d.]+)x \(([\d.]+) -> ([\d.]+) ms, spread ([\d.]+)-([\d.]+)x, 9 rounds\)",
+                           timing.describe())
+    assert printed, timing.describe()
+    ratio, host_ms, form_ms = (float(printed[i]) for i in (1, 2, 3))
+    assert host_ms / form_ms == pytest.approx(ratio, abs=2e-3)  # three decimals each
+
+
+def test_an_undecided_timing_takes_more_rounds_up_to_max_rounds():
+    undecided = _gate(1.0, 3, rounds=5, max_rounds=12)
+    assert undecided.rounds == 12 and undecided.verdict(1.02) is SpeedVerdict.UNDECIDED, undecided
+    assert undecided.reason(1.02) == f"undecided (need 1.02x): {undecided.describe()}"
+    assert undecided.describe().endswith("12 rounds)")
+    assert _gate(1.0, 3, rounds=5).rounds == 15  # default max_rounds: 3 x rounds
+    assert _gate(1.0, 3, rounds=5, need=None).rounds == 5  # no need given: no extra rounds
+    assert _gate(2.0, 3, rounds=9).rounds == 9  # decided at once
+
+
+def test_no_speed_required_always_binds():
+    slow = _gate(0.5, 1, need=0)
+    assert slow.verdict(0) is SpeedVerdict.FASTER and slow.rounds == 9
+    assert slow.verdict(1.02) is SpeedVerdict.NOT_FASTER
+    assert slow.reason(1.02).startswith("not faster (need 1.02x): 0.")
+
+
+def test_one_wild_round_does_not_decide():
+    """The issue's 6.53x: one round where other work slowed the host does not make an even form faster (the
+    mean of the log ratios would say 1.23x here); it widens the interval's upper end only."""
+    host_times = iter([1.0] + [1.0] * 4 + [6.5] + [1.0] * 4)  # the one-call estimate, then 9 rounds
+
+    def timer(fn, reps: int) -> float:
+        return next(host_times) if fn is _host else 1.0
+
+    timing = paired_speedup(_host, _form, CPU, rounds=9, warmup=0, need=1.02, max_rounds=9, timer=timer)
+    assert max(timing.ratios) == 6.5 and timing.speedup == 1.0
+    assert timing.verdict(1.02) is SpeedVerdict.UNDECIDED and timing.high < 6.5, timing  # widened, declined
+
+
+@pytest.mark.parametrize("n, critical", [(8, 3), (10, 8), (20, 52)])
+def test_the_interval_uses_the_signed_rank_critical_values(n, critical):
+    """Two-sided 5% critical values of the Wilcoxon signed-rank statistic from the published table: the
+    interval runs from Walsh average critical + 1 to M - critical."""
+    values = [random.Random(n).gauss(0, 1) for _ in range(n)]
+    walsh = walsh_averages(values)
+    assert signed_rank_interval(values) == (walsh[critical], walsh[-critical - 1])
+
+
+def test_too_few_rounds_give_the_full_range():
+    assert signed_rank_interval([0.3, -0.1, 0.2]) == (-0.1, 0.3)
+    assert signed_rank_interval([0.25]) == (0.25, 0.25)
+    assert _gate(1.2, 0, rounds=1, need=None).verdict(0) is SpeedVerdict.FASTER
+
+
+def test_a_cpu_timing_records_threads_and_load():
+    timing = _gate(1.2, 0)
+    assert timing.threads == torch.get_num_threads()
+    assert timing.load_1m == pytest.approx(os.getloadavg()[0], abs=5.0)
+    on_gpu = summarize([1e-3] * 3, [5e-4] * 3, torch.device("cuda"))
+    assert on_gpu.threads is None and on_gpu.load_1m is None and on_gpu.speedup == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("rounds, max_rounds", [(0, None), (5, 4)])
+def test_round_counts_are_checked(rounds, max_rounds):
+    with pytest.raises(ValueError, match=f"rounds={rounds}"):
+        paired_speedup(_host, _form, CPU, rounds=rounds, max_rounds=max_rounds, timer=_clock(1.0, 0))
