@@ -10,7 +10,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import receipts
-from .gate import Accuracy, Timing, measure_accuracy, paired_speedup
+from .gate import Accuracy, SpeedVerdict, Timing, measure_accuracy, paired_speedup
 from .layout import stride_order
 from .plan import ShapeRecord
 from .specs import AccuracyFloor, Spec
@@ -21,7 +21,7 @@ class GateOptions:
     min_speedup: float | None = None  # None: each spec's own
     min_cosine: float | None = None
     max_rel_err: float | None = None
-    rounds: int | None = None  # None: 9 on CUDA (settled blocks, gate.SETTLE_S), 7 on CPU
+    rounds: int | None = None  # None: 9 (on CUDA in settled blocks, gate.SETTLE_S); more while undecided
 
     def floor(self, spec: Spec) -> AccuracyFloor:
         return AccuracyFloor(
@@ -33,7 +33,7 @@ class GateOptions:
         return self.min_speedup if self.min_speedup is not None else spec.latency.min_speedup
 
     def rounds_for(self, device: torch.device) -> int:
-        return self.rounds if self.rounds is not None else (9 if device.type == "cuda" else 7)
+        return self.rounds if self.rounds is not None else 9
 
 
 @dataclass
@@ -46,15 +46,15 @@ class TimingCache:
     entries: dict[tuple, tuple[Timing, str]] = field(default_factory=dict)
 
     def timed(self, key: tuple, site: str, measure: Callable[[], Timing]) -> tuple[Timing, str]:
-        """The timing for `key`, measured now or reused, and the receipt's note: ", timed at <site>" when
-        another site measured it."""
+        """The timing for `key`, measured now or reused, and the receipt's note: "timed at <site>" when another
+        site measured it."""
         cached = self.entries.get(key)
         if cached is None:
             timing = measure()
             self.entries[key] = (timing, site)
             return timing, ""
         timing, origin = cached
-        return timing, (f", timed at {origin}" if origin != site else "")
+        return timing, (f"timed at {origin}" if origin != site else "")
 
 
 @dataclass
@@ -109,8 +109,12 @@ class Measured:
     built: Built
     accuracy: Accuracy
     timing: Timing
-    speed: str  # receipts.figures(...)
+    timed_at: str  # "timed at <site>" when another site's measurement serves this one, else ""
     layout: tuple[int, ...]  # the output's stride order, outermost dim first
+
+    @property
+    def speed(self) -> str:
+        return receipts.figures(self.timing, self.timed_at)
 
 
 @dataclass
@@ -133,8 +137,8 @@ def tiers(contenders: Sequence[Contender]) -> list[list[Contender]]:
 
 
 def clears(timing: Timing, need: float) -> bool:
-    """The speed gate: the measured ratio reaches the required one."""
-    return timing.speedup >= need
+    """The speed gate: the measured speedup reaches the required one with confidence (gate.Timing.verdict)."""
+    return timing.verdict(need) is SpeedVerdict.FASTER
 
 
 def decide(trial: Trial, contenders: Sequence[Contender], options: GateOptions, timings: TimingCache,
@@ -161,8 +165,8 @@ def _decide(trial: Trial, contenders: Sequence[Contender], options: GateOptions,
             if clears(measured.timing, need):
                 passed.append(measured)
             else:
-                record.trail.append(receipts.declined(contender.name, measured.speed, need, trial.shape,
-                                                      measured.accuracy))
+                record.trail.append(receipts.declined(contender.name, measured.timing, measured.timed_at, need,
+                                                      trial.shape, measured.accuracy))
                 declined = declined or measured
         if passed:
             best = max(passed, key=lambda m: m.timing.speedup)
@@ -187,6 +191,8 @@ def _decide(trial: Trial, contenders: Sequence[Contender], options: GateOptions,
 def _fill(record: ShapeRecord, outcome: str, m: Measured) -> None:
     record.outcome, record.form, record.speedup = outcome, m.contender.name, m.timing.speedup
     record.cosine, record.max_rel_err = m.accuracy.cosine, m.accuracy.max_rel_err
+    record.host_ms, record.form_ms = m.timing.host_ms, m.timing.form_ms
+    record.spread, record.rounds = (m.timing.low, m.timing.high), m.timing.rounds
 
 
 def _measure(trial: Trial, contender: Contender, host_out: torch.Tensor, options: GateOptions,
@@ -216,7 +222,8 @@ def _measure(trial: Trial, contender: Contender, host_out: torch.Tensor, options
 
     def measure() -> Timing:
         with torch.no_grad():
-            return paired_speedup(trial.host, built.run, trial.device, rounds=options.rounds_for(trial.device))
+            return paired_speedup(trial.host, built.run, trial.device, rounds=options.rounds_for(trial.device),
+                                  need=options.speedup_needed(contender.spec))
 
     timing, timed_at = timings.timed(contender.timing_key, trial.site, measure)
-    return Measured(contender, built, accuracy, timing, receipts.figures(timing, timed_at), layout)
+    return Measured(contender, built, accuracy, timing, timed_at, layout)

@@ -148,25 +148,33 @@ def signed_rank_interval(values: list[float], confidence: float = CONFIDENCE) ->
 # own steady state gives 1.07x (notes/gate_timing.md). Each timed block is therefore preceded by an untimed run
 # of the same callable lasting about SETTLE_S.
 SETTLE_S = {"cuda": 0.1, "cpu": 0.0}
+SAMPLES_PER_SETTLE = {"cuda": 3, "cpu": 1}
+"""Timed samples a side takes after one settle: its clock stays steady over them, so the settle is paid once for
+several rounds (each sample pairs with the other side's sample of the same index)."""
 
 
 def paired_speedup(host: Callable[[], object], form: Callable[[], object], device: torch.device,
                    rounds: int = 15, warmup: int = 2, min_round_s: float = 2e-3, settle_s: float | None = None,
-                   need: float | None = None, max_rounds: int | None = None, timer: Timer | None = None) -> Timing:
+                   need: float | None = None, max_rounds: int | None = None, timer: Timer | None = None,
+                   per_settle: int | None = None) -> Timing:
     """Alternate host and form timings round by round (host first in even rounds, form first in odd ones).
 
     Each timed sample repeats its call enough times to last about `min_round_s` (counted per side), so short
     calls are not measured as launch noise, and follows an untimed run of the same call lasting about `settle_s`
-    (None: `SETTLE_S` for the device type), so each side is timed in its own steady clock and power state.
+    (None: `SETTLE_S` for the device type), so each side is timed in its own steady clock and power state; one
+    settle serves `per_settle` consecutive samples of a side (None: `SAMPLES_PER_SETTLE` for the device type).
     With `need` (the speedup a bind requires), a timing still UNDECIDED after `rounds` takes `rounds` more at a
     time, up to `max_rounds` (None: 3 x rounds), since the interval narrows as rounds accrue. `timer` (None: CUDA
     events on GPU, `time.perf_counter` on CPU) measures `timer(fn, reps)` seconds per call.
     """
     timer = timer or (_cuda_timer if device.type == "cuda" else _cpu_timer)
     settle_s = SETTLE_S.get(device.type, 0.0) if settle_s is None else settle_s
+    per_settle = SAMPLES_PER_SETTLE.get(device.type, 1) if per_settle is None else per_settle
     max_rounds = 3 * rounds if max_rounds is None else max_rounds
     if settle_s < 0:
         raise ValueError(f"settle_s={settle_s}; expected seconds >= 0")
+    if per_settle < 1:
+        raise ValueError(f"per_settle={per_settle}; expected a positive number of samples")
     if rounds < 1 or max_rounds < rounds:
         raise ValueError(f"rounds={rounds}, max_rounds={max_rounds}; expected 1 <= rounds <= max_rounds")
     for _ in range(warmup):
@@ -176,23 +184,25 @@ def paired_speedup(host: Callable[[], object], form: Callable[[], object], devic
     host_plan = (settle_calls(settle_s, host_once), repeats(min_round_s, host_once))
     form_plan = (settle_calls(settle_s, form_once), repeats(min_round_s, form_once))
 
-    def sample(fn: Callable[[], object], plan: tuple[int, int]) -> float:
+    def block(fn: Callable[[], object], plan: tuple[int, int], count: int) -> list[float]:
         settle, reps = plan
         for _ in range(settle):
             fn()
-        return timer(fn, reps)
+        return [timer(fn, reps) for _ in range(count)]
 
     host_s: list[float] = []
     form_s: list[float] = []
 
     def take(count: int) -> Timing:
-        for _ in range(count):
-            if len(host_s) % 2 == 0:
-                host_s.append(sample(host, host_plan))
-                form_s.append(sample(form, form_plan))
+        while count > 0:
+            n = min(per_settle, count)
+            if (len(host_s) // per_settle) % 2 == 0:
+                host_s.extend(block(host, host_plan, n))
+                form_s.extend(block(form, form_plan, n))
             else:
-                form_s.append(sample(form, form_plan))
-                host_s.append(sample(host, host_plan))
+                form_s.extend(block(form, form_plan, n))
+                host_s.extend(block(host, host_plan, n))
+            count -= n
         return summarize(host_s, form_s, device)
 
     timing = take(rounds)

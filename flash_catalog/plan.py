@@ -26,6 +26,10 @@ class ShapeRecord:
     max_rel_err: float | None = None
     reason: str = ""
     trail: list[str] = field(default_factory=list)
+    host_ms: float | None = None  # the speed measurement behind `speedup` (gate.Timing), as fields
+    form_ms: float | None = None
+    spread: tuple[float, float] | None = None  # the speedup's confidence interval
+    rounds: int | None = None
 
 
 @dataclass

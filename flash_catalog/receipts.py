@@ -9,8 +9,8 @@ from .specs import AccuracyFloor
 
 
 def figures(timing: Timing, timed_at: str) -> str:
-    """The speed measurement: ratio and the two times, from one statistic (gate.Timing)."""
-    return f"{timing.speedup:.3f}x ({timing.host_ms:.3f} -> {timing.form_ms:.3f} ms{timed_at})"
+    """The speed measurement: ratio, the two times and the spread, from one statistic (gate.Timing)."""
+    return timing.describe() + (f" ({timed_at})" if timed_at else "")
 
 
 def refused(form: str, rule: str, shape: str) -> str:
@@ -28,12 +28,14 @@ def below_floor(form: str, accuracy: Accuracy, floor: AccuracyFloor, shape: str)
             f"err<={floor.max_rel_err} at {shape}")
 
 
-def declined(form: str, speed: str, need: float, shape: str, accuracy: Accuracy) -> str:
-    return f"{form}: declined, {speed} < {need} at {shape}, {accuracy.describe()}"
+def declined(form: str, timing: Timing, timed_at: str, need: float, shape: str, accuracy: Accuracy) -> str:
+    """A form not faster (or not surely faster: undecided) than `need`, with the measurement."""
+    where = f", {timed_at}" if timed_at else ""
+    return f"{form}: declined, {timing.reason(need)}{where} at {shape}, {accuracy.describe()}"
 
 
 def bound(form: str, speed: str, need: float, accuracy: Accuracy, detail: str) -> str:
-    return f"{form}: {speed} >= {need}, {accuracy.describe()}" + (f"; {detail}" if detail else "")
+    return f"{form}: {speed}, faster than {need}x, {accuracy.describe()}" + (f"; {detail}" if detail else "")
 
 
 def slower(form: str, speed: str, winner: str) -> str:

@@ -109,10 +109,15 @@ def test_default_gate_measures_and_declines_or_binds_with_reason():
         shape = site.shapes[0]
         assert shape.outcome in ("bound", "declined")
         assert shape.speedup is not None and shape.speedup > 0
+        assert shape.host_ms is not None and shape.form_ms is not None and shape.rounds >= 3
+        assert shape.spread[0] <= shape.speedup <= shape.spread[1]
+        # one statistic behind the ratio and the two times printed with it
+        assert abs(shape.host_ms / shape.form_ms - shape.speedup) <= 1e-9 * shape.speedup
+        assert f"{shape.speedup:.3f}x ({shape.host_ms:.3f} -> {shape.form_ms:.3f} ms" in shape.reason
         if shape.outcome == "declined":
-            assert f"{shape.speedup:.3f}x" in shape.reason and "< 1.02" in shape.reason
+            assert "(need 1.02x)" in shape.reason
         else:
-            assert ">= 1.02" in shape.reason
+            assert "faster than 1.02x" in shape.reason
     detach(plan)
 
 

@@ -98,3 +98,51 @@ def test_a_failing_gate_during_calibration_names_the_site_and_restores_the_host(
     assert F.scaled_dot_product_attention is torch.nn.functional.scaled_dot_product_attention
     with torch.no_grad():
         assert torch.equal(model(x), reference)
+
+
+class FfnLayer(nn.Module):
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        from diffusers.models.attention import FeedForward
+
+        self.ff = FeedForward(dim, mult=2, activation_fn="gelu")
+        self.last_input: weakref.ref | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * 1.0  # a tensor of this layer's own, seen only by its FFN site
+        self.last_input = weakref.ref(h)
+        return x + self.ff(h)
+
+
+class FfnStack(Stack):
+    def __init__(self, depth: int = 4) -> None:
+        nn.Module.__init__(self)
+        self.layers = nn.ModuleList(FfnLayer() for _ in range(depth))
+        self.alive_after: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.alive_after = []
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i:
+                self.alive_after.append(self.layers[i - 1].last_input() is not None)
+        return x
+
+
+def test_ffn_sites_are_decided_as_met_and_their_inputs_let_go():
+    torch.manual_seed(3)
+    model = FfnStack().eval()
+    x = torch.randn(2, 24, 32)
+    with torch.no_grad():
+        reference = model(x)
+    assert model.alive_after == [False, False, False]
+    plan = attach(model, (x,), attention_forms=[], ffn_forms=["int8_rowwise"], min_speedup=0)
+    # at most one shape key's captures alive: each FFN input was let go once its site was decided
+    assert model.alive_after == [False, False, False], "calibration kept an FFN site's input alive"
+    assert [s.outcome for s in plan.sites] == ["bound"] * 4, str(plan)
+    with torch.no_grad():
+        attached = model(x)
+    assert torch.nn.functional.cosine_similarity(attached.flatten(), reference.flatten(), dim=0) > 0.999
+    detach(plan)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference)

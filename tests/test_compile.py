@@ -1,0 +1,177 @@
+"""Attach composes with torch.compile: tiny hosts bound by force, then compiled with fullgraph=True.
+
+No graph breaks; one compiled graph per distinct block structure, none more from block to block or from call to
+call; outputs equal to the attached eager model; a new shape after compile runs the host; a mask of other content
+runs the host; detach restores the host, compiled or not, bit for bit. Real torch.compile (aot_eager keeps the
+graphs' arithmetic that of eager; one test runs inductor)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.testing import EagerAndRecordGraphs
+from torch._dynamo.utils import counters
+
+from flash_catalog import attach, detach
+from flash_catalog.tiny_hosts import build
+
+BLOCKS = {"ltx2": 1, "wan": 1, "flux": 2}  # distinct block structures: Flux has double and single blocks
+
+
+def first(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def run(model, inputs):
+    with torch.no_grad():
+        return first(model(**inputs))
+
+
+def eager(model, inputs):
+    with torch.compiler.set_stance("force_eager"):
+        return run(model, inputs)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+def ops_in(recorder: EagerAndRecordGraphs) -> list[str]:
+    return [str(n.target) for g in recorder.graphs for n in g.graph.nodes if n.op == "call_function"]
+
+
+@pytest.mark.parametrize("name", sorted(BLOCKS))
+def test_attach_then_regional_compile_one_graph_per_block_structure(name):
+    host = build(name)
+    inputs = host.inputs()
+    reference = run(host.model, inputs)
+    host.model.compile_repeated_blocks(fullgraph=True, backend="aot_eager")
+    host_compiled = run(host.model, inputs)
+
+    plan = attach(host.model, inputs, min_speedup=0)  # compiled first: calibration runs eagerly by itself
+    assert {s.outcome for s in plan.sites} == {"bound"}, str(plan)
+    attached = eager(host.model, inputs)
+    counters.clear()
+    compiled = run(host.model, inputs)
+    assert graphs() == BLOCKS[name]  # one graph per block structure, not one per block
+    again = run(host.model, inputs)
+    assert graphs() == BLOCKS[name]  # and none more on the next call
+    assert counters["graph_break"] == {}
+    assert torch.equal(compiled, attached) and torch.equal(again, attached)
+
+    detach(plan)
+    assert torch.equal(eager(host.model, inputs), reference)
+    assert torch.equal(run(host.model, inputs), host_compiled)
+
+
+def test_whole_model_compile_with_inductor_and_the_attention_op_in_the_graph():
+    host = build("wan")
+    inputs = host.inputs()
+    reference = run(host.model, inputs)
+    plan = attach(host.model, inputs, min_speedup=0)
+    attached = run(host.model, inputs)
+    compiled = torch.compile(host.model, fullgraph=True)
+    out = run(compiled, inputs)
+    run(compiled, inputs)
+    assert counters["graph_break"] == {} and counters["stats"]["unique_graphs"] == 1
+    torch.testing.assert_close(out, attached, rtol=1e-4, atol=1e-4)
+    detach(plan)
+    torch.testing.assert_close(run(compiled, inputs), reference, rtol=1e-4, atol=1e-4)
+    assert torch.equal(run(host.model, inputs), reference)
+
+
+def test_bound_calls_are_one_opaque_op_and_a_new_shape_after_compile_runs_the_host():
+    host = build("ltx2")
+    inputs, bigger = host.inputs(), host.inputs(2)
+    plan = attach(host.model, inputs, min_speedup=0)
+    recorder = EagerAndRecordGraphs()
+    host.model.compile_repeated_blocks(fullgraph=True, backend=recorder)
+    run(host.model, inputs)
+    assert ops_in(recorder).count("flash_catalog.attention.default") == 6  # every site of the block
+    assert plan.fallbacks == {}
+    recorder.graphs.clear()
+    attached_bigger = run(host.model, bigger)
+    # the video sites met a sequence length calibration never saw: the graphs traced for it call the host there;
+    # the audio sites did not change shape and stay routed (dynamo may trace the new shape twice, once dynamic)
+    for graph in recorder.graphs:
+        ops = [str(n.target) for n in graph.graph.nodes if n.op == "call_function"]
+        assert ops.count("flash_catalog.attention.default") == 2, ops
+    assert counters["graph_break"] == {}
+    detach(plan)
+    torch.testing.assert_close(attached_bigger, eager(host.model, bigger), rtol=1e-5, atol=1e-5)
+
+
+def test_a_mask_of_other_content_runs_the_host_inside_the_compiled_graph():
+    host = build("ltx")
+    inputs = host.inputs()
+    plan = attach(host.model, inputs, min_speedup=0, sites=["*attn2"])  # an all-pass text mask: dropped when bound
+    assert all("mask dropped" in s.shapes[0].reason for s in plan.sites), str(plan)
+    host.model.compile_repeated_blocks(fullgraph=True, backend="aot_eager")
+    mask = inputs["encoder_attention_mask"].clone()
+    mask[:, 5:] = False  # same shape and dtype: dynamo's guards pass, the content check must not
+    padded = dict(inputs, encoder_attention_mask=mask)
+    unpadded = run(host.model, inputs)
+    attached = run(host.model, padded)
+    assert counters["graph_break"] == {} and graphs() == 1
+    detach(plan)
+    reference = eager(host.model, padded)
+    torch.testing.assert_close(attached, reference, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(attached, unpadded, rtol=1e-3, atol=1e-3)
+
+
+def test_ffn_and_projection_sites_compile_into_the_same_block_graph():
+    host = build("ltx2", dtype=torch.bfloat16)
+    inputs = host.inputs()
+    reference = run(host.model, inputs)
+    plan = attach(host.model, inputs, attention_forms=["sdpa_dense"], ffn_forms=["fp8_rowwise"],
+                  projections=["*attn1.to_q"], min_speedup=0)
+    bound = [s.name for s in plan.sites if s.kind == "ffn" and s.outcome == "bound"]
+    assert bound == ["transformer_blocks.0.ff", "transformer_blocks.1.ff", "transformer_blocks.0.attn1.to_q",
+                     "transformer_blocks.1.attn1.to_q"], str(plan)
+    attached = eager(host.model, inputs)
+    recorder = EagerAndRecordGraphs()
+    host.model.compile_repeated_blocks(fullgraph=True, backend=recorder)
+    compiled = run(host.model, inputs)
+    run(host.model, inputs)
+    assert len(recorder.graphs) == 1 and counters["graph_break"] == {}
+    assert ops_in(recorder).count("flash_catalog.w8a8_linear.default") == 3  # ff (two linears) and to_q
+    assert torch.equal(compiled, attached)
+    detach(plan)
+    assert torch.equal(eager(host.model, inputs), reference)
+
+
+def test_attach_refuses_a_model_another_plan_holds():
+    host = build("ltx")
+    plan = attach(host.model, host.inputs(), min_speedup=0)
+    with pytest.raises(RuntimeError, match="already attached by another plan; detach it first"):
+        attach(host.model, host.inputs(), min_speedup=0)
+    detach(plan)
+
+
+def test_grouped_variate_attention_compiles_once_and_checks_its_mask_on_every_call():
+    from test_grouped_hosts import host_and_inputs, variate_mask
+
+    model, inputs = host_and_inputs([5] * 8)
+    reference = run(model, inputs)
+    plan = attach(model, inputs, min_speedup=0, attention_forms=["grouped_batch", "flex_blocksparse"])
+    assert {s.form for s in plan.sites} == {"grouped_batch"}, str(plan)
+    attached = eager(model, inputs)
+    for attn in model.attns:
+        attn.compile(fullgraph=True, backend="aot_eager")
+    compiled = run(model, inputs)
+    assert counters["graph_break"] == {} and graphs() == 1  # the two attention layers share one graph
+    assert torch.equal(compiled, attached)
+    other = dict(inputs, mask=variate_mask([4, 6] * 4))  # same shape and dtype, other groups: the host's
+    routed_other = run(model, other)
+    assert graphs() == 1
+    detach(plan)
+    assert torch.equal(eager(model, inputs), reference)
+    torch.testing.assert_close(routed_other, eager(model, other), rtol=1e-5, atol=1e-5)
