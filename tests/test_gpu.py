@@ -126,3 +126,119 @@ def test_cuda_sage2_op_compiles_and_replays_in_a_cuda_graph(pv):
         t.copy_(src * 0.5)
     graph.replay()
     torch.testing.assert_close(out, sage2_attention_op(*static, None, pv, False), rtol=0, atol=0)
+
+
+def _first(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def test_cuda_attach_after_regional_compile_inductor_one_graph_and_exact_detach():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    host = build("ltx2", device="cuda", dtype=torch.bfloat16)
+    inputs = host.inputs()
+    with torch.no_grad():
+        reference = _first(host.model(**inputs))
+        host.model.compile_repeated_blocks(fullgraph=True)
+        host_compiled = _first(host.model(**inputs))
+    plan = attach(host.model, inputs, min_speedup=0, ffn_forms=["int8_rowwise"], projections=["*attn1.to_q"])
+    try:
+        assert {s.outcome for s in plan.sites if s.kind == "attention"} == {"bound"}, str(plan)
+        assert plan.site("transformer_blocks.0.ff").outcome == "bound", str(plan)
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+            attached = _first(host.model(**inputs))
+        counters.clear()
+        with torch.no_grad():
+            compiled = _first(host.model(**inputs))
+            again = _first(host.model(**inputs))
+            bigger = _first(host.model(**host.inputs(2)))  # a new shape: the host's path, offloaded weights and all
+        assert counters["graph_break"] == {}
+        torch.testing.assert_close(compiled, attached, rtol=2e-2, atol=2e-2)
+        assert torch.equal(compiled, again)
+        assert torch.isfinite(bigger).all()
+    finally:
+        detach(plan)
+    with torch.no_grad():
+        assert torch.equal(_first(host.model(**inputs)), host_compiled)
+        with torch.compiler.set_stance("force_eager"):
+            assert torch.equal(_first(host.model(**inputs)), reference)
+    torch._dynamo.reset()
+
+
+def test_cuda_sage2_bound_model_compiles_whole_with_inductor():
+    from test_grouped_hosts import Block
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Block(dim=1024, heads=8), Block(dim=1024, heads=8)).eval().to("cuda", torch.bfloat16)
+    x = torch.randn(1, 2048, 1024, device="cuda", dtype=torch.bfloat16)
+    plan = attach(model, (x,), attention_forms=["sage2_fp8"], min_speedup=0)
+    try:
+        assert {s.form for s in plan.sites} == {"sage2_fp8"}, str(plan)
+        with torch.no_grad():
+            eager = model(x)
+            compiled = torch.compile(model, fullgraph=True)(x)
+        torch.testing.assert_close(compiled, eager, rtol=2e-2, atol=2e-2)
+    finally:
+        detach(plan)
+    torch._dynamo.reset()
+
+
+def _graph_mask_case():
+    from test_grouped_hosts import host_and_inputs, variate_mask
+
+    model, inputs = host_and_inputs([17] * 32, patches=8, dim=128)
+    model = model.to("cuda", torch.bfloat16)
+    x = inputs["x"].to("cuda", torch.bfloat16)
+    mask = inputs["mask"].to("cuda")
+    other = variate_mask([16, 18] * 16).to("cuda")  # same shape, other groups
+    return model, x, mask, other
+
+
+def test_cuda_masked_route_captured_in_a_cuda_graph_checks_the_mask_on_replay():
+    model, x, mask, other = _graph_mask_case()
+    plan = attach(model, {"x": x, "mask": mask}, min_speedup=0, attention_forms=["grouped_batch"])
+    try:
+        assert {s.form for s in plan.sites} == {"grouped_batch"}, str(plan)
+        static_x, static_mask = x.clone(), mask.clone()
+        with torch.no_grad():
+            routed = model(static_x, static_mask)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                model(static_x, static_mask)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = model(static_x, static_mask)
+        graph.replay()
+        torch.testing.assert_close(out, routed, rtol=0, atol=0)
+        static_mask.copy_(other)  # new content: the replay's check must send both sites to the host
+        graph.replay()
+        replayed_other = out.clone()
+    finally:
+        detach(plan)
+    with torch.no_grad():
+        torch.testing.assert_close(replayed_other, model(x, other), rtol=1e-2, atol=1e-2)
+
+
+def test_cuda_masked_route_under_reduce_overhead_compile():
+    model, x, mask, other = _graph_mask_case()
+    torch._dynamo.reset()
+    plan = attach(model, {"x": x, "mask": mask}, min_speedup=0, attention_forms=["grouped_batch"])
+    try:
+        with torch.no_grad():
+            routed = model(x, mask)
+            compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+            static_mask = mask.clone()
+            for _ in range(3):
+                out = compiled(x, static_mask)
+            torch.testing.assert_close(out, routed, rtol=2e-2, atol=2e-2)
+            static_mask.copy_(other)
+            out_other = compiled(x, static_mask).clone()
+    finally:
+        detach(plan)
+    with torch.no_grad():
+        torch.testing.assert_close(out_other, model(x, other), rtol=2e-2, atol=2e-2)
+    torch._dynamo.reset()

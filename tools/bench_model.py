@@ -35,8 +35,7 @@ import sys
 import time
 import traceback
 from collections import Counter
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
@@ -463,14 +462,13 @@ class Bench:
         p = plan[0]
         prof["counts"] = p.counts()
         prof["bound"] = dict(Counter(f"{s.kind}:{s.form}" for s in p.sites if s.outcome == "bound"))
-        timings = getattr(p, "timings", None)
-        prof["timings"] = dict(timings) if isinstance(timings, Mapping) else timings
+        prof["timings"] = asdict(p.timings) if p.timings is not None else None
         prof["memory"] = p.memory()
         self.report.save()
         log(f"attach {profile}: {prof['attach_s']:.1f} s, peak extra {fmt(prof['peak_extra_gb'], '.2f')} GB, "
             f"resident change {fmt(prof['resident_change_gb'], '+.2f')} GB, counts {prof['counts']}, "
             f"bound {prof['bound']}, plan memory {prof['memory']}")
-        log(f"attach {profile} timings: {prof['timings']}")
+        log(f"attach {profile}: {p.timings.describe() if p.timings is not None else '-'}")
         return p
 
     def attached_eager(self, record: dict[str, Any]) -> None:
