@@ -211,7 +211,9 @@ def test_kernel_choice_names_why_the_gluon_kernel_does_not_serve():
     assert choose_kernel(q, "fp8", False, "triton") == "triton"
     with pytest.raises(ValueError, match="kernel is 'cuda'; allowed: auto, triton, gluon"):
         choose_kernel(q, "fp8", False, "cuda")
-    assert choose_kernel(q, "fp8", False) == "triton"  # auto: the Triton kernel (see choose_kernel)
+    # auto: Gluon exactly where gluon_refusal finds nothing against it (sm_90, D128, not causal), else Triton
+    assert choose_kernel(q, "fp8", False) == ("gluon" if gluon_refusal(q, "fp8", False) is None else "triton")
+    assert choose_kernel(q, "fp8", True) == "triton"
     with pytest.raises(ValueError, match=r"kernel='gluon' cannot serve this call: is_causal"):
         sage2_attention(q, q, q, kernel="gluon", is_causal=True)
     if DEVICE == "cpu":
