@@ -11,12 +11,17 @@ import pytest  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    """`gpu` tests skip without CUDA; `interpreter` tests (Triton kernels on CPU tensors) skip where Triton's
+    interpreter is off, i.e. on a GPU machine, whose `gpu` tests run the same kernels on the device."""
+    no_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    no_interpreter = pytest.mark.skip(reason="runs Triton kernels on CPU tensors: needs TRITON_INTERPRET=1, which "
+                                             "conftest sets only where no GPU is present")
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(no_gpu)
+        if "interpreter" in item.keywords and not interpreting:
+            item.add_marker(no_interpreter)
 
 
 @pytest.fixture(autouse=True)

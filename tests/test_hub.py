@@ -156,12 +156,14 @@ def bind_and_compare(cat: Catalog, **options) -> None:
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
 
 
+@pytest.mark.interpreter
 def test_a_local_build_named_by_the_spec_binds_and_detaches_bit_exactly(tmp_path):
     """`hub.local`: kernels.get_local_kernel(folder); no opt-in needed for code on disk."""
     make_build(tmp_path / "sage2-kernel")
     bind_and_compare(catalog(tmp_path, **{"version = 1": 'version = 1\nlocal = "../sage2-kernel"'}))
 
 
+@pytest.mark.interpreter
 def test_a_local_kernels_build_binds_and_detaches_bit_exactly(tmp_path, monkeypatch):
     """LOCAL_KERNELS maps the spec's repo to a folder: kernels.get_kernel loads it, nothing is downloaded."""
     make_build(tmp_path / "sage2-kernel")
@@ -169,12 +171,14 @@ def test_a_local_kernels_build_binds_and_detaches_bit_exactly(tmp_path, monkeypa
     bind_and_compare(catalog(tmp_path))
 
 
+@pytest.mark.interpreter
 def test_a_trusted_hub_kernel_loads_from_the_offline_cache(tmp_path, offline):
     """With the caller's opt-in the hub path runs kernels.get_kernel(repo, version=1) (here from the cache)."""
     make_cache(offline)
     bind_and_compare(catalog(tmp_path), trust_remote_code=[REPO])
 
 
+@pytest.mark.interpreter
 def test_resolve_function_gives_the_packaged_function(tmp_path):
     make_build(tmp_path / "k")
     spec = load_spec(catalog(tmp_path, **{"version = 1": 'version = 1\nlocal = "../k"'}).specs[0].path)

@@ -3,6 +3,7 @@ with a spec copy that admits the CPU) a bind that matches the host."""
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from flash_catalog import Catalog, attach, detach
@@ -37,6 +38,7 @@ def cpu_sage2_catalog(folder: Path) -> Catalog:
     return Catalog.load([folder])
 
 
+@pytest.mark.interpreter
 def test_sage2_binds_through_the_interpreter_and_detaches(tmp_path):
     catalog = cpu_sage2_catalog(tmp_path)
     model = blocks()
@@ -59,6 +61,7 @@ def test_sage2_binds_through_the_interpreter_and_detaches(tmp_path):
             assert torch.equal(model(x), reference)
 
 
+@pytest.mark.interpreter
 def test_the_custom_op_traces_under_torch_compile():
     """torch.compile sees the registered op (its fake gives the shape) instead of breaking the graph."""
     from flash_catalog.kernels.sage2_op import sage2_attention_op

@@ -65,6 +65,7 @@ def test_pool_hands_out_one_buffer_per_key_and_releases():
     assert fresh.shape == (2, 3) and len(pool) == 0
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("pv", ["fp8", "fp16"])
 def test_pooled_kernel_is_bit_identical_and_never_returns_pool_memory(pv):
     g = torch.Generator().manual_seed(0)
@@ -88,6 +89,7 @@ def test_pooled_kernel_is_bit_identical_and_never_returns_pool_memory(pv):
     pool.release()
 
 
+@pytest.mark.interpreter
 def test_the_op_takes_the_pool_by_handle_and_still_traces_under_torch_compile():
     q, k, v = (torch.randn(1, 2, 33, 64, generator=torch.Generator().manual_seed(i)).half() for i in range(3))
     unpooled = sage2_attention_op(q, k, v, None, "fp16", False)
@@ -105,6 +107,7 @@ def test_the_op_takes_the_pool_by_handle_and_still_traces_under_torch_compile():
     assert len(pool) == 0
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("pv", ["fp8", "fp16"])
 def test_sites_of_one_shape_share_one_set_counted_once(tmp_path, pv):
     name = f"sage2_{pv}"
@@ -143,6 +146,7 @@ def test_sites_of_one_shape_share_one_set_counted_once(tmp_path, pv):
         detach(plan)
 
 
+@pytest.mark.interpreter
 def test_a_site_at_two_shapes_holds_one_set_per_buffer_shape(tmp_path):
     model = blocks()
     x2 = torch.randn(1, 200, 128, generator=torch.Generator().manual_seed(2)).half()
@@ -163,6 +167,7 @@ def test_a_site_at_two_shapes_holds_one_set_per_buffer_shape(tmp_path):
         detach(plan)
 
 
+@pytest.mark.interpreter
 def test_detach_releases_the_pool_and_restores_the_host(tmp_path):
     model = blocks()
     with torch.no_grad():
@@ -203,6 +208,7 @@ def test_forms_without_staging_hold_nothing():
         detach(plan)
 
 
+@pytest.mark.interpreter
 def test_shapes_the_gates_tried_but_did_not_bind_leave_no_staging(tmp_path):
     model = blocks()
     plan = attach(model, (X,), catalog=cpu_sage2_catalog(tmp_path), attention_forms=["sage2_fp8"],
@@ -214,6 +220,7 @@ def test_shapes_the_gates_tried_but_did_not_bind_leave_no_staging(tmp_path):
         detach(plan)
 
 
+@pytest.mark.interpreter
 def test_fp16_v_staging_for_the_gluon_kernel():
     """v_fp16=True (the Gluon kernel's fp16 P.V): V is staged as a zero-padded fp16 copy, from the pool."""
     from flash_catalog.kernels.sage2_quant import quantize_qkv, staging_layout

@@ -419,6 +419,9 @@ def int8_matmul_torch(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w
     m, n = a.shape[0], w.shape[0]
     if m == 0 or n == 0 or a.shape[1] == 0:
         acc = torch.zeros((m, n), dtype=torch.int32, device=a.device)
+    elif a.is_cuda and (a.shape[1] < 32 or a.shape[1] % 8 or n % 8):
+        # cuBLAS's int8 GEMM takes K >= 32 and K, N multiples of 8; float64 sums these integers exactly (< 2^53)
+        acc = (a.double() @ w.double().t()).to(torch.int32)
     else:
         acc = torch._int_mm(a, w.t())
     return _epilogue(acc, a_scale, w_scale, bias, out_dtype)

@@ -281,6 +281,8 @@ def sage2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     bm, bn = staging_tiles_for(q, pv, chosen)
     bm = block_m if block_m is not None else bm
     bn = block_n if block_n is not None else bn
+    if pv == "fp8" and q.is_cuda and bn < 32:
+        raise ValueError(f"block_n is {bn} with pv='fp8' on {q.device}; allowed: >= 32 (the FP8 P.V product's K)")
     sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
     if q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0:
         return torch.empty((q.shape[0], q.shape[1], q.shape[2], d), dtype=q.dtype, device=q.device)
