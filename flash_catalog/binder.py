@@ -140,9 +140,9 @@ def attach(model: nn.Module, example: Example, *, attention_forms: Sequence[str]
                           f"The model was restored to the host.") from exc
     if not any(r.outcome == "bound" for r in records):
         log.info("flash_catalog: no site bound (%d sites)", len(records))
-    gating_s = calibration.clock.gating_s
-    timings = AttachTimings(time.perf_counter() - started, calibration_s - gating_s, gating_s, binding_s,
-                            dict(calibration.clock.first_use_s))
+    clock = calibration.clock
+    timings = AttachTimings(time.perf_counter() - started, calibration_s - clock.gating_s - clock.offload_s,
+                            clock.gating_s, clock.offload_s, binding_s, dict(clock.first_use_s))
     log.info("flash_catalog: %s", timings.describe())
     device = _model_device(model)
     return Plan(

@@ -7,6 +7,7 @@ weights) from then on; an attention site's route is added to its slot, used once
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -158,7 +159,9 @@ class Calibration:
             module = decision.winner.built.product
             if site.replacement is None:
                 self.ffn_memory[site.path] = _memory(site.module, module, x.device.type)
+            started = time.perf_counter()
             site.bind(decision.winner.contender.name, module, key)
+            self.clock.offload_s += time.perf_counter() - started
         return decision.host_out
 
     def _ffn_contender(self, form: FfnForm, site: FfnSite, x: torch.Tensor, key: FfnKey,

@@ -63,6 +63,7 @@ class AttachClock:
     backend probing happen there)."""
 
     gating_s: float = 0.0
+    offload_s: float = 0.0  # moving bound feed-forward sites' host weights off the device
     first_use_s: dict[str, float] = field(default_factory=dict)
 
     def first_use(self, form: str, seconds: float) -> None:

@@ -73,8 +73,9 @@ class AttachTimings:
     """Where an attach's wall-clock seconds went."""
 
     total_s: float
-    calibration_s: float  # the example call itself, without the deciding done inside it
+    calibration_s: float  # the example call itself, without the deciding and offloading done inside it
     gating_s: float  # deciding shapes: host runs, forms' first runs and accuracy, paired timing
+    offload_s: float  # moving bound feed-forward sites' host weights to (pinned) CPU memory
     binding_s: float  # switching to routes and letting go of what was not bound
     first_use_s: dict[str, float] = field(default_factory=dict)  # per form: its first build and run (kernel
     # compilation, autotuning and backend probing happen there), part of gating_s
@@ -82,7 +83,8 @@ class AttachTimings:
     def describe(self) -> str:
         first = ", ".join(f"{name} {s:.1f}" for name, s in sorted(self.first_use_s.items(), key=lambda i: -i[1]))
         return (f"attach took {self.total_s:.1f} s: calibration call {self.calibration_s:.1f} s, deciding "
-                f"{self.gating_s:.1f} s (first use: {first or 'none'}), binding {self.binding_s:.1f} s")
+                f"{self.gating_s:.1f} s (first use: {first or 'none'}), offloading {self.offload_s:.1f} s, "
+                f"binding {self.binding_s:.1f} s")
 
 
 @dataclass
