@@ -45,6 +45,14 @@ class TimingCache:
 
     entries: dict[tuple, tuple[Timing, str]] = field(default_factory=dict)
 
+    def known(self, key: tuple, site: str) -> tuple[Timing, str] | None:
+        """The timing already measured for `key`, with the receipt's note, or None."""
+        cached = self.entries.get(key)
+        if cached is None:
+            return None
+        timing, origin = cached
+        return timing, (f"timed at {origin}" if origin != site else "")
+
     def timed(self, key: tuple, site: str, measure: Callable[[], Timing]) -> tuple[Timing, str]:
         """The timing for `key`, measured now or reused, and the receipt's note: "timed at <site>" when another
         site measured it."""
@@ -107,8 +115,8 @@ class Contender:
 @dataclass(frozen=True)
 class Measured:
     contender: Contender
-    built: Built
-    accuracy: Accuracy
+    built: Built | None  # None: not run here, its shape's timing already says it is not faster
+    accuracy: Accuracy | None
     timing: Timing
     timed_at: str  # "timed at <site>" when another site's measurement serves this one, else ""
     layout: tuple[int, ...]  # the output's stride order, outermost dim first
@@ -191,17 +199,22 @@ def _decide(trial: Trial, contenders: Sequence[Contender], options: GateOptions,
 
 def _fill(record: ShapeRecord, outcome: str, m: Measured) -> None:
     record.outcome, record.form, record.speedup = outcome, m.contender.name, m.timing.speedup
-    record.cosine, record.max_rel_err = m.accuracy.cosine, m.accuracy.max_rel_err
+    if m.accuracy is not None:
+        record.cosine, record.max_rel_err = m.accuracy.cosine, m.accuracy.max_rel_err
     record.host_ms, record.form_ms = m.timing.host_ms, m.timing.form_ms
     record.spread, record.rounds = (m.timing.low, m.timing.high), m.timing.rounds
 
 
 def _measure(trial: Trial, contender: Contender, host_out: torch.Tensor, options: GateOptions,
              timings: TimingCache, clock: AttachClock, record: ShapeRecord) -> Measured | None:
-    """Qualify, build and run once, gate accuracy, then time; refusals go on the record's trail."""
+    """Qualify, build and run once, gate accuracy, then time; refusals go on the record's trail. A form already
+    timed not faster at this shape (at another site) is not run again: only its verdict is reused."""
     if contender.rule is not None:
         record.trail.append(receipts.refused(contender.name, contender.rule, trial.shape))
         return None
+    known = timings.known(contender.timing_key, trial.site)
+    if known is not None and not clears(known[0], options.speedup_needed(contender.spec)):
+        return Measured(contender, None, None, *known, ())  # speed is per shape: no run can change the verdict
     started = time.perf_counter()
     try:
         built = contender.build()
