@@ -34,7 +34,10 @@ def test_cuda_gate_decides_by_measurement():
     for site in plan.sites:
         shape = site.shapes[0]
         assert shape.outcome in ("bound", "declined") and shape.speedup is not None
-        assert shape.cosine >= 0.9999
+        if shape.reason.endswith("not run here"):  # timed not faster at another site of this shape: not run again
+            assert shape.outcome == "declined" and shape.cosine is None and "timed at" in shape.reason
+        else:
+            assert shape.cosine >= 0.9999
     detach(plan)
 
 
