@@ -1,42 +1,17 @@
-"""Qualification: does a form's envelope cover one captured call? The verdict names form, rule and shape."""
+"""Qualification: does a form's envelope cover one captured call or input? The first rule it breaks, as text
+(the decision path names the form and the shape around it: `receipts.refused`)."""
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from importlib import metadata
 
 import torch
 from packaging.requirements import Requirement
 from packaging.version import InvalidVersion, Version
 
-from .calls import AttentionCall, dims, dtype_name
-from .specs import Envelope, Spec
-
-
-@dataclass(frozen=True)
-class Verdict:
-    form: str
-    qualified: bool
-    reason: str = ""
-
-
-def qualify(spec: Spec, call: AttentionCall, extra_rule: str | None = None, emulate: bool = False) -> Verdict:
-    """Check the envelope (then a form's own narrowing rule) against one call. `emulate`: the caller allows
-    emulation, which lifts min_capability for envelopes with `emulation = true`."""
-    rule = envelope_rule(spec.envelope, call, emulate) or extra_rule
-    if rule is None:
-        return Verdict(spec.name, True)
-    q = call.host_shape(call.query)
-    return Verdict(spec.name, False, f"{spec.name}: {rule} at q={dims(q)}")
-
-
-def qualify_tensor(spec: Spec, x: torch.Tensor, extra_rule: str | None = None) -> Verdict:
-    """Qualification of a form whose input is one tensor (a feed-forward site): device, dtype, packages."""
-    rule = tensor_rule(spec.envelope, x) or extra_rule
-    if rule is None:
-        return Verdict(spec.name, True)
-    return Verdict(spec.name, False, f"{spec.name}: {rule} at x={dims(x.shape)}")
+from .calls import AttentionCall, dtype_name
+from .specs import Envelope
 
 
 def tensor_rule(env: Envelope, x: torch.Tensor, emulate: bool = False) -> str | None:

@@ -30,7 +30,6 @@ from flash_catalog.plan import ShapeRecord  # noqa: E402
 from flash_catalog.environment import environment  # noqa: E402
 from flash_catalog.gate import measure_accuracy  # noqa: E402
 from flash_catalog.masks import describe_mask  # noqa: E402
-from flash_catalog.qualify import qualify  # noqa: E402
 
 
 def grouped_mask(groups: int, size: int, covariate_rule: bool, device) -> torch.Tensor:
@@ -89,9 +88,9 @@ def main() -> int:
                    "host_ms": host_ms, "host_cos": measure_accuracy(host(), ref).cosine, "forms": {}}
             print(f"{name}: mask {info.kind} rule {info.group_rule}, host {host_ms:.3f} ms", flush=True)
             for form in forms:
-                verdict = qualify(form.spec, call, form.rule(call))
-                if not verdict.qualified:
-                    row["forms"][form.name] = {"refused": verdict.reason}
+                rule = attention_contender(form, "bench", call).rule
+                if rule is not None:
+                    row["forms"][form.name] = {"refused": f"{form.name}: {rule}"}
                     continue
                 runner = form.runner(call)
                 acc = measure_accuracy(runner(call), ref)
