@@ -63,7 +63,8 @@ class AccuracyFloor:
 
 @dataclass(frozen=True)
 class LatencyPolicy:
-    """Speed gate: a form binds only where its median speedup over the host reaches `min_speedup`."""
+    """Speed gate: a form binds only where its speedup over the host clears `min_speedup` with confidence
+    (the lower end of its interval, `gate.Timing.verdict`)."""
 
     per_shape: bool = True
     min_speedup: float = 1.02
