@@ -17,27 +17,27 @@ class Layer(nn.Module):
         super().__init__()
         self.heads = heads
         self.qkv = nn.Linear(dim, 3 * dim)
-        self.last_query: weakref.ref | None = None
+        self.last_capture: weakref.ref | None = None  # the query: what calibration captures at this site
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, c = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4).contiguous()
-        self.last_query = weakref.ref(q)
+        self.last_capture = weakref.ref(q)
         return x + F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, c)
 
 
 class Stack(nn.Module):
-    def __init__(self, depth: int = 4) -> None:
+    def __init__(self, depth: int = 4, layer: type[nn.Module] = Layer) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(Layer() for _ in range(depth))
-        self.alive_after: list[bool] = []  # per layer: was the previous layer's query still alive?
+        self.layers = nn.ModuleList(layer() for _ in range(depth))
+        self.alive_after: list[bool] = []  # per layer: was the previous layer's captured input still alive?
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.alive_after = []
         for i, layer in enumerate(self.layers):
             x = layer(x)
             if i:
-                self.alive_after.append(self.layers[i - 1].last_query() is not None)
+                self.alive_after.append(self.layers[i - 1].last_capture() is not None)
         return x
 
 
@@ -106,32 +106,17 @@ class FfnLayer(nn.Module):
         from diffusers.models.attention import FeedForward
 
         self.ff = FeedForward(dim, mult=2, activation_fn="gelu")
-        self.last_input: weakref.ref | None = None
+        self.last_capture: weakref.ref | None = None  # the FFN's input: what calibration captures here
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x * 1.0  # a tensor of this layer's own, seen only by its FFN site
-        self.last_input = weakref.ref(h)
+        self.last_capture = weakref.ref(h)
         return x + self.ff(h)
-
-
-class FfnStack(Stack):
-    def __init__(self, depth: int = 4) -> None:
-        nn.Module.__init__(self)
-        self.layers = nn.ModuleList(FfnLayer() for _ in range(depth))
-        self.alive_after: list[bool] = []
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.alive_after = []
-        for i, layer in enumerate(self.layers):
-            x = layer(x)
-            if i:
-                self.alive_after.append(self.layers[i - 1].last_input() is not None)
-        return x
 
 
 def test_ffn_sites_are_decided_as_met_and_their_inputs_let_go():
     torch.manual_seed(3)
-    model = FfnStack().eval()
+    model = Stack(layer=FfnLayer).eval()
     x = torch.randn(2, 24, 32)
     with torch.no_grad():
         reference = model(x)
