@@ -163,6 +163,7 @@ def attach(model: nn.Module, example: Example, *, attention_forms: Sequence[str]
         _routed=lambda: _counts(router.routed, ffn_sites, "routed"),
         _revert=revert,
         staging=staging,
+        routes=routes,
         timings=timings,
     )
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .kernels.staging import StagingPool
+
+if TYPE_CHECKING:
+    from .adapters.routes import RouteTable
 
 OUTCOMES = ("bound", "declined", "refused", "host")
 """bound: a form serves the shape. declined: a form qualified and was accurate but not fast enough.
@@ -98,6 +101,8 @@ class Plan:
     detached: bool = False
     staging: StagingPool | None = field(repr=False, default=None)
     """The attach's staging pool: scratch shared by every bound site (not per site), released by detach."""
+    routes: RouteTable | None = field(repr=False, default=None)
+    """The attach's routes: what bound calls run, with the mask patterns they check (released by detach)."""
     timings: AttachTimings | None = None
 
     @property
@@ -123,13 +128,15 @@ class Plan:
         return out
 
     def memory(self) -> dict[str, int]:
-        """Resident bytes: of bound feed-forward sites, what the forms hold and what the host held; and
-        `staging_bytes`, the staging pool the bound attention sites share, counted once (0 once detached)."""
+        """Resident bytes: of bound feed-forward sites, what the forms hold and what the host held;
+        `staging_bytes`, the staging pool the bound attention sites share, counted once; `mask_check_bytes`, the
+        mask patterns bound masked calls are checked against, each once (both 0 once detached)."""
         totals = {"form_bytes": 0, "host_bytes": 0, "delta_bytes": 0}
         for s in self.sites:
             for k, v in (s.memory or {}).items():
                 totals[k] += v
         totals["staging_bytes"] = self.staging.resident_bytes() if self.staging is not None else 0
+        totals["mask_check_bytes"] = self.routes.mask_bytes() if self.routes is not None else 0
         return totals
 
     def to_dict(self) -> dict[str, Any]:

@@ -163,6 +163,7 @@ def test_grouped_variate_attention_compiles_once_and_checks_its_mask_on_every_ca
     reference = run(model, inputs)
     plan = attach(model, inputs, min_speedup=0, attention_forms=["grouped_batch", "flex_blocksparse"])
     assert {s.form for s in plan.sites} == {"grouped_batch"}, str(plan)
+    assert plan.memory()["mask_check_bytes"] == 40 * 40  # one allowed pattern, shared by both sites
     attached = eager(model, inputs)
     for attn in model.attns:
         attn.compile(fullgraph=True, backend="aot_eager")
@@ -173,5 +174,6 @@ def test_grouped_variate_attention_compiles_once_and_checks_its_mask_on_every_ca
     routed_other = run(model, other)
     assert graphs() == 1
     detach(plan)
+    assert plan.memory()["mask_check_bytes"] == 0
     assert torch.equal(eager(model, inputs), reference)
     torch.testing.assert_close(routed_other, eager(model, other), rtol=1e-5, atol=1e-5)

@@ -74,10 +74,6 @@ class Installation:
         self.router.stop()
         self.installed = False
 
-    def called(self) -> set[str]:
-        """Paths of the site modules whose frames saw an attention call during calibration."""
-        return {path for path, slot in self.slots.items() if slot.known}
-
     def _attach(self, path: str, forward: Any) -> None:
         state = Attached(self.modules[path])
         state.apply(self.slots[path], "attention", forward)
