@@ -102,7 +102,6 @@ class Calibration:
         if key in records:
             records[key].calls += 1
             return host()
-        problem = problem or (call.unroutable() if call is not None else None)
         record = ShapeRecord(key.describe() if call is not None else "-", 1, "host")
         records[key] = record
         if call is None or problem:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -26,6 +26,14 @@ class StaticKey(NamedTuple):
     is_causal: bool
     scale: float | None
     enable_gqa: bool
+
+    @classmethod
+    def of(cls, layout: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+           is_causal: bool, scale: float | None, enable_gqa: bool) -> StaticKey:
+        """The key of a call's tensors as the host passed them (its own layout): metadata only, safe to trace."""
+        return cls(layout, tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, q.device,
+                   tuple(mask.shape) if mask is not None else None, mask.dtype if mask is not None else None,
+                   bool(is_causal), scale, bool(enable_gqa))
 
 
 class ShapeKey(NamedTuple):
@@ -71,10 +79,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 class AttentionCall:
     """Q, K, V in (B, H, S, D) views of the host's tensors, plus what the host passed with them.
 
-    `layout` is the host's own ("bshd" for diffusers' dispatch, "bhsd" for torch SDPA); `host_only` holds
-    arguments that only the host path understands (an explicit backend, a parallel config, ...): a call
-    with any of them set is served by the host. `static` holds every non-tensor argument, with which a route
-    calls the host's function where its guard sends a call back.
+    `layout` is the host's own ("bshd" for diffusers' dispatch, "bhsd" for torch SDPA). `static` holds every
+    non-tensor argument, with which a route calls the host's function where its guard sends a call back.
     """
 
     query: torch.Tensor
@@ -87,7 +93,6 @@ class AttentionCall:
     dropout_p: float
     layout: str
     mask: MaskInfo
-    host_only: dict[str, Any] = field(default_factory=dict)
     static: tuple[tuple[str, Any], ...] = ()  # every non-tensor argument as the host received it
 
     @property
@@ -110,11 +115,8 @@ class AttentionCall:
         return out.transpose(1, 2) if self.layout == "bshd" else out
 
     def static_key(self) -> StaticKey:
-        m = self.attn_mask
-        return StaticKey(self.layout, self.host_shape(self.query), self.host_shape(self.key),
-                         self.host_shape(self.value), self.query.dtype, self.query.device,
-                         tuple(m.shape) if m is not None else None, m.dtype if m is not None else None,
-                         self.is_causal, self.scale, self.enable_gqa)
+        q, k, v = (self.to_host_layout(t) for t in (self.query, self.key, self.value))
+        return StaticKey.of(self.layout, q, k, v, self.attn_mask, self.is_causal, self.scale, self.enable_gqa)
 
     def shape_key(self) -> ShapeKey:
         m = self.attn_mask
@@ -133,14 +135,3 @@ class AttentionCall:
             scale=self.scale,
             enable_gqa=self.enable_gqa,
         )
-
-    def unroutable(self) -> str | None:
-        """Why only the host may serve this call, or None."""
-        set_args = sorted(k for k, v in self.host_only.items() if v)
-        if set_args:
-            return f"the host passes {', '.join(set_args)}"
-        if self.dropout_p:
-            return f"dropout_p={self.dropout_p}"
-        if self.query.requires_grad or self.key.requires_grad or self.value.requires_grad:
-            return "gradients are required"
-        return None

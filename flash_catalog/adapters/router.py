@@ -100,29 +100,47 @@ class Frame:
     busy: bool = False
 
 
-def static_key(sig: CallSignature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> StaticKey | None:
-    """The call's static key, or None when only the host may serve it (reads metadata only: safe to trace)."""
+def _bound(sig: CallSignature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
+    """The call's arguments by name, or why they are not an attention call the router understands."""
     try:
         a = sig.bind(args, kwargs)
-    except TypeError:
-        return None
+    except TypeError as exc:
+        return None, f"unexpected arguments ({exc})"
     q, k, v, mask = a.get("query"), a.get("key"), a.get("value"), a.get("attn_mask")
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
-        return None
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or (mask is not None and not isinstance(mask, torch.Tensor)):
-        return None
-    if set(a) - set(sig.positional) - {"backend", "parallel_config"}:
-        return None
-    if any(a.get(name) for name in sig.host_only) or a["dropout_p"]:
-        return None
-    if q.requires_grad or k.requires_grad or v.requires_grad:
-        return None
-    return StaticKey(sig.layout, tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, q.device,
-                     tuple(mask.shape) if mask is not None else None, mask.dtype if mask is not None else None,
-                     bool(a["is_causal"]), a["scale"], bool(a["enable_gqa"]))
+        return None, "query, key or value is not a tensor"
+    if not (q.dim() == k.dim() == v.dim() == 4):
+        return None, f"inputs are {q.dim()}-D, not 4-D"
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        return None, "attn_mask is not a tensor"
+    extra = set(a) - set(sig.positional) - {"backend", "parallel_config"}
+    if extra:
+        return None, f"unknown arguments {sorted(extra)}"
+    return a, ""
 
 
-# (slot, ordinal, call or None, why not routable, the original function, args, kwargs) -> the call's output
+def host_only_reason(sig: CallSignature, a: dict[str, Any]) -> str | None:
+    """Why only the host may serve these (well-formed) arguments, or None."""
+    set_args = sorted(name for name in sig.host_only if a.get(name))
+    if set_args:
+        return f"the host passes {', '.join(set_args)}"
+    if a["dropout_p"]:
+        return f"dropout_p={float(a['dropout_p'])}"
+    if a["query"].requires_grad or a["key"].requires_grad or a["value"].requires_grad:
+        return "gradients are required"
+    return None
+
+
+def static_key(sig: CallSignature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> StaticKey | None:
+    """The call's static key, or None when only the host may serve it (reads metadata only: safe to trace)."""
+    a, _ = _bound(sig, args, kwargs)
+    if a is None or host_only_reason(sig, a) is not None:
+        return None
+    return StaticKey.of(sig.layout, a["query"], a["key"], a["value"], a["attn_mask"], a["is_causal"], a["scale"],
+                        a["enable_gqa"])
+
+
+# (slot, ordinal, call or None, why only the host may serve it, the original function, args, kwargs) -> output
 Capture = Callable[[SiteSlot, int, AttentionCall | None, str | None, Callable[..., torch.Tensor], tuple, dict],
                    torch.Tensor]
 
@@ -232,21 +250,12 @@ class AttentionRouter:
 
 def canonical(sig: CallSignature, args: tuple[Any, ...], kwargs: dict[str, Any],
               masks: MaskCache) -> tuple[AttentionCall | None, str | None]:
-    """The call in (B, H, S, D) form with its mask classified (calibration only: reads the mask), or why not."""
-    try:
-        a = sig.bind(args, kwargs)
-    except TypeError as exc:
-        return None, f"unexpected arguments ({exc})"
-    q, k, v, mask = a.get("query"), a.get("key"), a.get("value"), a.get("attn_mask")
-    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
-        return None, "query, key or value is not a tensor"
-    if not (q.dim() == k.dim() == v.dim() == 4):
-        return None, f"inputs are {q.dim()}-D, not 4-D"
-    if mask is not None and not isinstance(mask, torch.Tensor):
-        return None, "attn_mask is not a tensor"
-    extra = set(a) - set(sig.positional) - {"backend", "parallel_config"}
-    if extra:
-        return None, f"unknown arguments {sorted(extra)}"
+    """The call in (B, H, S, D) form with its mask classified (calibration only: reads the mask), and why only the
+    host may serve it (None: a form may); no call when the arguments are not an attention call at all."""
+    a, problem = _bound(sig, args, kwargs)
+    if a is None:
+        return None, problem
+    q, k, v, mask = a["query"], a["key"], a["value"], a["attn_mask"]
     if sig.layout == "bshd":
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     call = AttentionCall(
@@ -254,7 +263,6 @@ def canonical(sig: CallSignature, args: tuple[Any, ...], kwargs: dict[str, Any],
         is_causal=bool(a["is_causal"]), scale=a["scale"], enable_gqa=bool(a["enable_gqa"]),
         dropout_p=float(a["dropout_p"]), layout=sig.layout,
         mask=masks.describe(mask),
-        host_only={name: a.get(name) for name in sig.host_only},
         static=sig.static_arguments(a),
     )
-    return call, None
+    return call, host_only_reason(sig, a)
