@@ -227,14 +227,16 @@ def _attention_records(adapter, model: nn.Module, modules: dict[str, nn.Module],
     """Every site module's calls in model order; a module never called gets one `#0` entry, unless sites are
     discovered by calibration (then it is no site)."""
     uncalled = adapter.uncalled_reason(model)
+    by_path: dict[str, list[str]] = {}
+    for site in calibration.attention:
+        by_path.setdefault(site.rsplit("#", 1)[0], []).append(site)
     records: list[SiteRecord] = []
     for path in modules:
         if path in installation.refused:
             records.append(SiteRecord(f"{path}#0", [ShapeRecord(
                 "-", 0, "host", reason=receipts.host_only(f"cannot route the module: {installation.refused[path]}"))]))
             continue
-        called = sorted((s for s in calibration.attention if s.rsplit("#", 1)[0] == path),
-                        key=lambda s: int(s.rsplit("#", 1)[1]))
+        called = sorted(by_path.get(path, []), key=lambda s: int(s.rsplit("#", 1)[1]))
         for site in called:
             records.append(SiteRecord(site, list(calibration.attention[site].values())))
         if not called and not adapter.discovered:
