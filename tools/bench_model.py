@@ -298,6 +298,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cast", choices=("pretrained", "all"), default="pretrained",
                    help="bf16 as from_pretrained loads it (fp32-kept modules stay fp32) or every tensor")
     p.add_argument("--recompile-limit", type=int, default=None, help="torch._dynamo.config.recompile_limit")
+    p.add_argument("--reattach", action="store_true",
+                   help="after each profile's detach, attach it once more and detach: the attach time with the "
+                        "kernels already compiled (what a second attach costs, in this process or from Triton's "
+                        "disk cache)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="default bench_model_<model>[_tiny].json")
     args = p.parse_args(argv)
@@ -439,6 +443,26 @@ class Bench:
         log(f"detach {profile}: eager equal {prof.get('detach_eager_equal')}, compiled equal "
             f"{prof.get('detach_compiled_equal')}, state dict equal {prof.get('detach_state_dict_equal')}; "
             f"calls routed {prof['routed_calls']}, fallbacks {prof['fallback_calls']}")
+        if args.reattach:
+            guarded(self.report, prof, f"reattach {profile}", lambda: self.reattach(profile, prof))
+
+    def reattach(self, profile: str, prof: dict[str, Any]) -> None:
+        """A second attach of the profile (its kernels compiled by the first), then detach."""
+        if not self.budget.fits(prof["attach_s"], f"reattach {profile}"):
+            prof["reattach"] = "skipped: budget"
+            return
+        sync(self.device)
+        t0 = time.monotonic()
+        plan = attach(self.model, self.inputs, **({} if profile == "default" else {"profile": profile}))
+        sync(self.device)
+        prof["reattach_s"] = time.monotonic() - t0
+        prof["reattach_timings"] = asdict(plan.timings) if plan.timings is not None else None
+        prof["reattach_same_bindings"] = (
+            Counter(f"{s.kind}:{s.form}" for s in plan.sites if s.outcome == "bound") == Counter(prof["bound"]))
+        detach(plan)
+        prof["reattach_state_dict_equal"] = not fingerprint_mismatches(self.before, fingerprint(self.model))
+        log(f"reattach {profile}: {prof['reattach_s']:.1f} s, same bindings {prof['reattach_same_bindings']}; "
+            f"{plan.timings.describe() if plan.timings is not None else '-'}")
 
     def attach(self, profile: str, prof: dict[str, Any]) -> Plan | None:
         plan: list[Plan] = []
@@ -586,7 +610,7 @@ def print_tables(data: dict[str, Any]) -> None:
               f"{fmt(r.get('cos_vs_host_eager'), '12.7f')} {' '.join(f'{t:.0f}' for t in r.get('steps_ms', []))}")
     if not data["profiles"]:
         return
-    print(f"\n{'profile':18} {'attach s':>8} {'peak+ GB':>8} {'resid. GB':>9} {'b/d/r/h':>11} "
+    print(f"\n{'profile':18} {'attach s':>8} {'again s':>7} {'peak+ GB':>8} {'resid. GB':>9} {'b/d/r/h':>11} "
           f"{'detach equal: eager/compiled/state':>34}  bound")
     for p in data["profiles"]:
         if "attach_s" not in p:
@@ -596,7 +620,8 @@ def print_tables(data: dict[str, Any]) -> None:
         counts = f"{c.get('bound', 0)}/{c.get('declined', 0)}/{c.get('refused', 0)}/{c.get('host', 0)}"
         eq = "/".join(str(p.get(k, '-')) for k in ("detach_eager_equal", "detach_compiled_equal",
                                                      "detach_state_dict_equal"))
-        print(f"{p['profile']:18} {p['attach_s']:8.1f} {fmt(p.get('peak_extra_gb'), '8.2f')} "
+        print(f"{p['profile']:18} {p['attach_s']:8.1f} {fmt(p.get('reattach_s'), '7.1f')} "
+              f"{fmt(p.get('peak_extra_gb'), '8.2f')} "
               f"{fmt(p.get('resident_change_gb'), '9.2f')} {counts:>11} {eq:>34}  {p.get('bound')}")
         if p.get("status") != "ok":
             print(f"{'':18} {short(p['status'])}")

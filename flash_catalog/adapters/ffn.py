@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 
+from ..pinned import PinnedCopy, pinned_copy
 from .swap import Attached, state_of
 
 FfnKey = tuple[tuple[int, ...], torch.dtype, torch.device]  # input shape, dtype, device
@@ -66,6 +67,7 @@ class FfnSite:
         self.routed = 0
         self._state = Attached(module)
         self._homes: dict[str, torch.device] = {}
+        self._pinned: list[PinnedCopy] = []
 
     def install(self) -> None:
         self._state.apply(self, "ffn", ffn_forward)
@@ -102,6 +104,9 @@ class FfnSite:
         for name, device in self._homes.items():
             tensors[name].data = tensors[name].data.to(device)
         self._homes.clear()
+        for copy in self._pinned:
+            copy.release()
+        self._pinned.clear()
         self._state.revert()
         self.replacement = None
         self.calibrate = None
@@ -120,9 +125,9 @@ class FfnSite:
         for name, p in self._host_tensors():
             if p.device.type == "cuda":
                 self._homes[name] = p.device
-                cpu = torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=True)
-                cpu.copy_(p.data)
-                p.data = cpu
+                copy = pinned_copy(p.data)
+                self._pinned.append(copy)
+                p.data = copy.tensor
 
     def _host_tensors(self) -> list[tuple[str, torch.Tensor]]:
         return [*self.module.named_parameters(), *self.module.named_buffers()]
