@@ -6,6 +6,7 @@ import contextlib
 import fnmatch
 import logging
 import time
+from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -27,6 +28,7 @@ from .forms.base import AttentionForm
 from .kernels.staging import StagingPool
 from .plan import AttachTimings, Plan, ShapeRecord, SiteRecord
 from .profiles import get_profile
+from .reuse import SavedDecisions, load_receipt
 
 log = logging.getLogger("flash_catalog")
 
@@ -58,7 +60,7 @@ def attach(model: nn.Module, example: Example, *, attention_forms: Sequence[str]
            max_rel_err: float | None = None, sites: Sequence[str] | None = None,
            timing_rounds: int | None = None, allow_emulation: bool = False,
            keep_host_on_device: bool = False, catalog: Catalog | None = None,
-           trust_remote_code: bool | Sequence[str] = False) -> Plan:
+           trust_remote_code: bool | Sequence[str] = False, plan: str | Path | Plan | None = None) -> Plan:
     """Bind the best qualifying form to every attention (and, when asked, feed-forward) site of `model`,
     where it measures faster and accurate enough.
 
@@ -71,7 +73,12 @@ def attach(model: nn.Module, example: Example, *, attention_forms: Sequence[str]
     nvfp4_attention below Blackwell): for accuracy studies, as the emulations are slower than the host.
     `trust_remote_code` opts in to running code from the Hugging Face Hub for `[hub]` specs: True (any repo)
     or a list of repo ids; without it a hub spec is refused (local builds need no opt-in).
+    `plan` (a saved receipt's path, or a `Plan`) reuses its decisions where its environment (device, torch, triton,
+    flash_catalog), the form's spec and the site's shape match: those shapes are decided from its timings with no
+    timing run (a form it timed not faster is not run; one that passed is run once, for its accuracy floor). The
+    options are this call's, not the receipt's; each shape record says what was reused and what was re-decided.
     """
+    saved_plan = load_receipt(plan) if plan is not None else None
     catalog = catalog or default_catalog()
     attention_names, ffn_names, projections = _resolve_profile(profile, attention_forms, ffn_forms, projections)
     specs = catalog.select("attention_core", attention_names)
@@ -80,6 +87,8 @@ def attach(model: nn.Module, example: Example, *, attention_forms: Sequence[str]
     _check_options(options)
     trust_remote_code = _check_trust(trust_remote_code)
     run_example = _example_runner(model, example)
+    here = environment(_model_device(model), [*specs, *ffn_specs])
+    saved = SavedDecisions.of(saved_plan, here) if saved_plan is not None else None
     forms: list[AttentionForm] = [_with_emulation(build_form(s, trust_remote_code=trust_remote_code),
                                                   allow_emulation) for s in specs]
     staging = StagingPool()  # scratch shared by every site of this attach; detach releases it
@@ -99,7 +108,7 @@ def attach(model: nn.Module, example: Example, *, attention_forms: Sequence[str]
     router = AttentionRouter()
     routes = RouteTable()
     calibration = Calibration(forms, ffn_forms_built, options, routes, staging,
-                              Progress(None if adapter.discovered else len(modules) + len(ffn_modules)))
+                              Progress(None if adapter.discovered else len(modules) + len(ffn_modules)), saved)
     router.capture = calibration.meet_attention
     installation = _installation(adapter, router, modules)
     ffn_sites = [FfnSite(path, module, not keep_host_on_device, calibration.meet_ffn)
@@ -147,13 +156,12 @@ def attach(model: nn.Module, example: Example, *, attention_forms: Sequence[str]
     timings = AttachTimings(time.perf_counter() - started, calibration_s - clock.gating_s - clock.offload_s,
                             clock.gating_s, clock.offload_s, binding_s, dict(clock.first_use_s))
     log.info("flash_catalog: %s", timings.describe())
-    device = _model_device(model)
     return Plan(
         sites=records,
-        environment=environment(device),
+        environment=here,
         options={"attention_forms": [s.name for s in specs], "ffn_forms": [s.name for s in ffn_specs],
                  "profile": profile, "projections": list(projections), "adapter": adapter.name,
-                 "min_speedup": min_speedup,
+                 "min_speedup": min_speedup, "timing_rounds": timing_rounds,
                  "min_cosine": min_cosine, "max_rel_err": max_rel_err,
                  "sites": list(sites) if sites is not None else None,
                  "keep_host_on_device": keep_host_on_device, "allow_emulation": allow_emulation,
@@ -165,6 +173,7 @@ def attach(model: nn.Module, example: Example, *, attention_forms: Sequence[str]
         staging=staging,
         routes=routes,
         timings=timings,
+        receipt=saved.use if saved is not None else None,
     )
 
 
