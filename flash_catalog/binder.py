@@ -26,6 +26,7 @@ from .decide import GateOptions
 from .environment import environment
 from .forms.base import AttentionForm
 from .kernels.staging import StagingPool
+from .pipelines import denoisers
 from .plan import AttachTimings, Plan, ShapeRecord, SiteRecord
 from .profiles import get_profile
 from .reuse import SavedDecisions, load_receipt
@@ -53,7 +54,7 @@ def reset_default_catalog() -> None:
     _DEFAULT_CATALOG.clear()
 
 
-def attach(model: nn.Module, example: Example, *, attention_forms: Sequence[str] | None = None,
+def attach(model: nn.Module | Any, example: Example, *, attention_forms: Sequence[str] | None = None,
            ffn_forms: Sequence[str] | None = None, profile: str | None = None,
            projections: Sequence[str] | None = None,
            min_speedup: float | None = None, min_cosine: float | None = None,
@@ -64,8 +65,11 @@ def attach(model: nn.Module, example: Example, *, attention_forms: Sequence[str]
     """Bind the best qualifying form to every attention (and, when asked, feed-forward) site of `model`,
     where it measures faster and accurate enough.
 
-    `example` drives the calibration: a dict of forward kwargs, a tuple of args, or a zero-argument
-    callable. `attention_forms=None` tries the catalog's default order; `[]` keeps the host everywhere.
+    `model` is a module, or a diffusers pipeline: then its `transformer` and, where present, `transformer_2` are
+    bound in one plan, sites named by component (`transformer.blocks.0.attn1#0`). `example` drives the
+    calibration: a dict of forward kwargs, a tuple of args, or a zero-argument callable (for a pipeline, say
+    `lambda: pipe(prompt, num_inference_steps=2)`); dicts and tuples are passed to `model` itself.
+    `attention_forms=None` tries the catalog's default order; `[]` keeps the host everywhere.
     Feed-forward forms quantize weights, so they run only when named (`ffn_forms=`) or by a `profile`;
     explicit form lists outrank the profile. `projections` (globs) adds matching `nn.Linear` modules, such as
     attention projections, as sites for the feed-forward forms. `sites` keeps only sites matching a glob.
@@ -78,6 +82,7 @@ def attach(model: nn.Module, example: Example, *, attention_forms: Sequence[str]
     timing run (a form it timed not faster is not run; one that passed is run once, for its accuracy floor). The
     options are this call's, not the receipt's; each shape record says what was reused and what was re-decided.
     """
+    host = denoisers(model)
     saved_plan = load_receipt(plan) if plan is not None else None
     catalog = catalog or default_catalog()
     attention_names, ffn_names, projections = _resolve_profile(profile, attention_forms, ffn_forms, projections)
@@ -87,7 +92,7 @@ def attach(model: nn.Module, example: Example, *, attention_forms: Sequence[str]
     _check_options(options)
     trust_remote_code = _check_trust(trust_remote_code)
     run_example = _example_runner(model, example)
-    here = environment(_model_device(model), [*specs, *ffn_specs])
+    here = environment(_model_device(host), [*specs, *ffn_specs])
     saved = SavedDecisions.of(saved_plan, here) if saved_plan is not None else None
     forms: list[AttentionForm] = [_with_emulation(build_form(s, trust_remote_code=trust_remote_code),
                                                   allow_emulation) for s in specs]
@@ -95,14 +100,14 @@ def attach(model: nn.Module, example: Example, *, attention_forms: Sequence[str]
     for form in forms:
         form.staging = staging
     ffn_forms_built = [_ffn_form(s, allow_emulation) for s in ffn_specs]
-    adapter = pick_adapter(model)
-    modules = _filter_sites(adapter.find_sites(model), sites)
-    ffn_modules = _filter_sites({**find_ffn_sites(model), **find_projection_sites(model, list(projections))},
+    adapter = pick_adapter(host)
+    modules = _filter_sites(adapter.find_sites(host), sites)
+    ffn_modules = _filter_sites({**find_ffn_sites(host), **find_projection_sites(host, list(projections))},
                                 sites) if ffn_specs else {}
     if sites is not None and not modules and not ffn_modules:
         raise ValueError(f"sites={list(sites)!r} matches no site; attention sites are: "
-                         f"{_some(adapter.find_sites(model))}; feed-forward sites: {_some(find_ffn_sites(model))}")
-    _refuse_attached(model)
+                         f"{_some(adapter.find_sites(host))}; feed-forward sites: {_some(find_ffn_sites(host))}")
+    _refuse_attached(host)
 
     started = time.perf_counter()
     router = AttentionRouter()
@@ -126,7 +131,7 @@ def attach(model: nn.Module, example: Example, *, attention_forms: Sequence[str]
         calibration_s = time.perf_counter() - calibration_started
         stage = "binding the plan"
         binding_started = time.perf_counter()
-        records = _attention_records(adapter, model, modules, installation, calibration)
+        records = _attention_records(adapter, host, modules, installation, calibration)
         records += _ffn_records(ffn_sites, calibration)
         bound_ffn = [s for s in ffn_sites if s.replacement is not None]
         for site in ffn_sites:
@@ -175,6 +180,17 @@ def attach(model: nn.Module, example: Example, *, attention_forms: Sequence[str]
         timings=timings,
         receipt=saved.use if saved is not None else None,
     )
+
+
+@contextlib.contextmanager
+def attached(model: nn.Module | Any, example: Example, **options: Any) -> Iterator[Plan]:
+    """`attach` for the duration of a `with` block: the plan is detached on leaving it, also when the block
+    raises, so the host is restored bit-exactly either way. Takes `attach`'s options."""
+    plan = attach(model, example, **options)
+    try:
+        yield plan
+    finally:
+        detach(plan)
 
 
 def detach(plan: Plan) -> None:
