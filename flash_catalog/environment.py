@@ -13,7 +13,7 @@ import torch
 
 from .specs import Spec
 
-TIMING_FIELDS = ("device_type", "device_name", "capability", "torch", "triton", "flash_catalog")
+TIMING_FIELDS = ("device_type", "device_name", "capability", "threads", "torch", "triton", "flash_catalog")
 """What a timing depends on besides the shape and the form's spec: a receipt's timings serve another attach only
 where all of these are equal (`environment_difference`)."""
 
@@ -50,8 +50,21 @@ def environment(device: torch.device | None, specs: Iterable[Spec] = ()) -> dict
         env["capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
         env["cuda"] = torch.version.cuda
     elif device is not None:
-        env["device_name"] = platform.processor() or platform.machine()
+        env["device_name"] = cpu_name()
+        env["threads"] = torch.get_num_threads()
     return env
+
+
+def cpu_name() -> str:
+    """The processor's model name where Linux says it (/proc/cpuinfo), else the platform's processor or machine."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name") and ":" in line:
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def environment_difference(saved: dict[str, Any], here: dict[str, Any]) -> str | None:
@@ -66,6 +79,8 @@ def describe(env: dict[str, Any]) -> str:
     device = " ".join(str(env.get(k)) for k in ("device_type", "device_name") if env.get(k) is not None)
     if env.get("capability") is not None:
         device += f" (sm {env['capability']})"
+    if env.get("threads") is not None:
+        device += f" ({env['threads']} threads)"
     versions = ", ".join(f"{k} {env.get(k)}" for k in ("torch", "triton", "flash_catalog"))
     return f"{device or 'no device'}, {versions}"
 

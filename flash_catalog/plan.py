@@ -30,7 +30,7 @@ class ReceiptError(ValueError):
 class Basis(Enum):
     """Where a shape's decision came from: this attach's measurement, or a receipt given to it (`attach(plan=)`)."""
 
-    DECIDED = "decided"  # decided by this attach; no receipt was given
+    DECIDED = "decided"  # decided by this attach: no receipt was given, or no form was tried at this shape
     REUSED = "reused"  # the receipt's timings decided it, nothing was timed here; accuracy was checked here
     REDECIDED = "re-decided"  # a receipt was given but did not cover it (basis_reason says why): timed here
 

@@ -51,8 +51,10 @@ class Offer:
             why = dict(self.missing)
             return Basis.REDECIDED, "timed by this attach: " + ", ".join(
                 f"{name} ({why.get(name, self.reason)})" for name in timed)
-        if self.found or reused:
+        if reused:
             return Basis.REUSED, f"timings from {self.source}"
+        if self.found:
+            return Basis.REUSED, f"nothing to time, as in {self.source}"
         return Basis.REDECIDED, self.reason
 
 

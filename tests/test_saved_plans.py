@@ -222,6 +222,7 @@ def test_feed_forward_decisions_are_reused_through_the_same_path(tmp_path, timin
     assert ff.timings == first.site("transformer_blocks.0.ff").shapes[0].timings and ff.cosine >= 0.997
     audio = plan.site("transformer_blocks.0.audio_ff").shapes[0]
     assert audio.outcome == "refused" and audio.basis is Basis.REUSED  # refused by its envelope, nothing to time
+    assert audio.basis_reason == f"nothing to time, as in {path}"
     out = run(host.model, inputs)
     assert torch.nn.functional.cosine_similarity(out.float().flatten(), reference.float().flatten(), dim=0) > 0.999
     detach(plan)
