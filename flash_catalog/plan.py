@@ -32,7 +32,7 @@ class Basis(Enum):
 
     DECIDED = "decided"  # decided by this attach: no receipt was given, or no form was tried at this shape
     REUSED = "reused"  # the receipt's timings decided it, nothing was timed here; accuracy was checked here
-    REDECIDED = "re-decided"  # a receipt was given but did not cover it (basis_reason says why): timed here
+    REDECIDED = "re-decided"  # a receipt was given but could not serve it (basis_reason says why): decided here
 
 
 @dataclass
