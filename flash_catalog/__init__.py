@@ -1,10 +1,11 @@
 """flash_catalog: bind measured-faster attention kernels to an unmodified model, site by site; detach exactly."""
 
-from .binder import AttachError, attach, default_catalog, detach, reset_default_catalog
+from .binder import AttachError, attach, attached, default_catalog, detach, reset_default_catalog
 from .catalog import Catalog
 from .forms.unavailable import KernelUnavailable
-from .plan import Plan, ShapeRecord, SiteRecord
+from .plan import Basis, Plan, ReceiptError, ReceiptUse, ShapeRecord, SiteRecord
 from .specs import Spec, SpecError, load_spec
 
-__all__ = ["attach", "detach", "AttachError", "Catalog", "KernelUnavailable", "Plan", "SiteRecord", "ShapeRecord",
-           "Spec", "SpecError", "load_spec", "default_catalog", "reset_default_catalog"]
+__all__ = ["attach", "attached", "detach", "AttachError", "Catalog", "KernelUnavailable", "Plan", "SiteRecord",
+           "ShapeRecord", "Basis", "ReceiptError", "ReceiptUse", "Spec", "SpecError", "load_spec", "default_catalog",
+           "reset_default_catalog"]

@@ -6,6 +6,7 @@ import contextlib
 import fnmatch
 import logging
 import time
+from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -25,8 +26,10 @@ from .decide import GateOptions
 from .environment import environment
 from .forms.base import AttentionForm
 from .kernels.staging import StagingPool
+from .pipelines import denoisers
 from .plan import AttachTimings, Plan, ShapeRecord, SiteRecord
 from .profiles import get_profile
+from .reuse import SavedDecisions, load_receipt
 
 log = logging.getLogger("flash_catalog")
 
@@ -51,19 +54,22 @@ def reset_default_catalog() -> None:
     _DEFAULT_CATALOG.clear()
 
 
-def attach(model: nn.Module, example: Example, *, attention_forms: Sequence[str] | None = None,
+def attach(model: nn.Module | Any, example: Example, *, attention_forms: Sequence[str] | None = None,
            ffn_forms: Sequence[str] | None = None, profile: str | None = None,
            projections: Sequence[str] | None = None,
            min_speedup: float | None = None, min_cosine: float | None = None,
            max_rel_err: float | None = None, sites: Sequence[str] | None = None,
            timing_rounds: int | None = None, allow_emulation: bool = False,
            keep_host_on_device: bool = False, catalog: Catalog | None = None,
-           trust_remote_code: bool | Sequence[str] = False) -> Plan:
+           trust_remote_code: bool | Sequence[str] = False, plan: str | Path | Plan | None = None) -> Plan:
     """Bind the best qualifying form to every attention (and, when asked, feed-forward) site of `model`,
     where it measures faster and accurate enough.
 
-    `example` drives the calibration: a dict of forward kwargs, a tuple of args, or a zero-argument
-    callable. `attention_forms=None` tries the catalog's default order; `[]` keeps the host everywhere.
+    `model` is a module, or a diffusers pipeline: then its `transformer` and, where present, `transformer_2` are
+    bound in one plan, sites named by component (`transformer.blocks.0.attn1#0`). `example` drives the
+    calibration: a dict of forward kwargs, a tuple of args, or a zero-argument callable (for a pipeline, say
+    `lambda: pipe(prompt, num_inference_steps=2)`); dicts and tuples are passed to `model` itself.
+    `attention_forms=None` tries the catalog's default order; `[]` keeps the host everywhere.
     Feed-forward forms quantize weights, so they run only when named (`ffn_forms=`) or by a `profile`;
     explicit form lists outrank the profile. `projections` (globs) adds matching `nn.Linear` modules, such as
     attention projections, as sites for the feed-forward forms. `sites` keeps only sites matching a glob.
@@ -71,7 +77,13 @@ def attach(model: nn.Module, example: Example, *, attention_forms: Sequence[str]
     nvfp4_attention below Blackwell): for accuracy studies, as the emulations are slower than the host.
     `trust_remote_code` opts in to running code from the Hugging Face Hub for `[hub]` specs: True (any repo)
     or a list of repo ids; without it a hub spec is refused (local builds need no opt-in).
+    `plan` (a saved receipt's path, or a `Plan`) reuses its decisions where its environment (device, torch, triton,
+    flash_catalog), the form's spec and the site's shape match: those shapes are decided from its timings with no
+    timing run (a form it timed not faster is not run; one that passed is run once, for its accuracy floor). The
+    options are this call's, not the receipt's; each shape record says what was reused and what was re-decided.
     """
+    host = denoisers(model)
+    saved_plan = load_receipt(plan) if plan is not None else None
     catalog = catalog or default_catalog()
     attention_names, ffn_names, projections = _resolve_profile(profile, attention_forms, ffn_forms, projections)
     specs = catalog.select("attention_core", attention_names)
@@ -80,26 +92,28 @@ def attach(model: nn.Module, example: Example, *, attention_forms: Sequence[str]
     _check_options(options)
     trust_remote_code = _check_trust(trust_remote_code)
     run_example = _example_runner(model, example)
+    here = environment(_model_device(host), [*specs, *ffn_specs])
+    saved = SavedDecisions.of(saved_plan, here) if saved_plan is not None else None
     forms: list[AttentionForm] = [_with_emulation(build_form(s, trust_remote_code=trust_remote_code),
                                                   allow_emulation) for s in specs]
     staging = StagingPool()  # scratch shared by every site of this attach; detach releases it
     for form in forms:
         form.staging = staging
     ffn_forms_built = [_ffn_form(s, allow_emulation) for s in ffn_specs]
-    adapter = pick_adapter(model)
-    modules = _filter_sites(adapter.find_sites(model), sites)
-    ffn_modules = _filter_sites({**find_ffn_sites(model), **find_projection_sites(model, list(projections))},
+    adapter = pick_adapter(host)
+    modules = _filter_sites(adapter.find_sites(host), sites)
+    ffn_modules = _filter_sites({**find_ffn_sites(host), **find_projection_sites(host, list(projections))},
                                 sites) if ffn_specs else {}
     if sites is not None and not modules and not ffn_modules:
         raise ValueError(f"sites={list(sites)!r} matches no site; attention sites are: "
-                         f"{_some(adapter.find_sites(model))}; feed-forward sites: {_some(find_ffn_sites(model))}")
-    _refuse_attached(model)
+                         f"{_some(adapter.find_sites(host))}; feed-forward sites: {_some(find_ffn_sites(host))}")
+    _refuse_attached(host)
 
     started = time.perf_counter()
     router = AttentionRouter()
     routes = RouteTable()
     calibration = Calibration(forms, ffn_forms_built, options, routes, staging,
-                              Progress(None if adapter.discovered else len(modules) + len(ffn_modules)))
+                              Progress(None if adapter.discovered else len(modules) + len(ffn_modules)), saved)
     router.capture = calibration.meet_attention
     installation = _installation(adapter, router, modules)
     ffn_sites = [FfnSite(path, module, not keep_host_on_device, calibration.meet_ffn)
@@ -117,7 +131,7 @@ def attach(model: nn.Module, example: Example, *, attention_forms: Sequence[str]
         calibration_s = time.perf_counter() - calibration_started
         stage = "binding the plan"
         binding_started = time.perf_counter()
-        records = _attention_records(adapter, model, modules, installation, calibration)
+        records = _attention_records(adapter, host, modules, installation, calibration)
         records += _ffn_records(ffn_sites, calibration)
         bound_ffn = [s for s in ffn_sites if s.replacement is not None]
         for site in ffn_sites:
@@ -147,13 +161,12 @@ def attach(model: nn.Module, example: Example, *, attention_forms: Sequence[str]
     timings = AttachTimings(time.perf_counter() - started, calibration_s - clock.gating_s - clock.offload_s,
                             clock.gating_s, clock.offload_s, binding_s, dict(clock.first_use_s))
     log.info("flash_catalog: %s", timings.describe())
-    device = _model_device(model)
     return Plan(
         sites=records,
-        environment=environment(device),
+        environment=here,
         options={"attention_forms": [s.name for s in specs], "ffn_forms": [s.name for s in ffn_specs],
                  "profile": profile, "projections": list(projections), "adapter": adapter.name,
-                 "min_speedup": min_speedup,
+                 "min_speedup": min_speedup, "timing_rounds": timing_rounds,
                  "min_cosine": min_cosine, "max_rel_err": max_rel_err,
                  "sites": list(sites) if sites is not None else None,
                  "keep_host_on_device": keep_host_on_device, "allow_emulation": allow_emulation,
@@ -165,7 +178,19 @@ def attach(model: nn.Module, example: Example, *, attention_forms: Sequence[str]
         staging=staging,
         routes=routes,
         timings=timings,
+        receipt=saved.use if saved is not None else None,
     )
+
+
+@contextlib.contextmanager
+def attached(model: nn.Module | Any, example: Example, **options: Any) -> Iterator[Plan]:
+    """`attach` for the duration of a `with` block: the plan is detached on leaving it, also when the block
+    raises, so the host is restored bit-exactly either way. Takes `attach`'s options."""
+    plan = attach(model, example, **options)
+    try:
+        yield plan
+    finally:
+        detach(plan)
 
 
 def detach(plan: Plan) -> None:

@@ -6,6 +6,7 @@ weights) from then on; an attention site's route is added to its slot, used once
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from .mask_check import MaskCheck
 from .memory import module_tensors, tensor_bytes
 from .plan import ShapeRecord
 from .qualify import envelope_rule, tensor_rule
+from .reuse import SavedDecisions
 
 log = logging.getLogger("flash_catalog")
 
@@ -36,12 +38,24 @@ def describe_input(x: torch.Tensor) -> str:
     return f"x={dims(x.shape)} {dtype_name(x.dtype)} rows={rows}"
 
 
+def ffn_architecture(module: nn.Module) -> tuple:
+    """What a feed-forward module's speed depends on besides its input: parameter shapes and dtypes, module kinds."""
+    params = tuple((n, tuple(p.shape), p.dtype, p.device.type) for n, p in module.named_parameters())
+    kinds = tuple((type(m).__qualname__, getattr(m, "approximate", None)) for m in module.modules())
+    return params, kinds
+
+
 def ffn_timing_key(form: str, module: nn.Module, key: FfnKey) -> tuple:
     """Speed depends on the module's architecture and the input's shape, not on the data: the blocks of a deep
     model share one timing per (form, architecture, input key); accuracy is still gated at every site."""
-    params = tuple((n, tuple(p.shape), p.dtype, p.device.type) for n, p in module.named_parameters())
-    kinds = tuple((type(m).__qualname__, getattr(m, "approximate", None)) for m in module.modules())
-    return form, params, kinds, key
+    return form, *ffn_architecture(module), key
+
+
+def ffn_key_fields(module: nn.Module, key: FfnKey) -> dict[str, Any]:
+    """A feed-forward shape key as a receipt stores it (`ShapeRecord.key`), the architecture as a digest."""
+    shape, dtype, device = key
+    architecture = hashlib.sha256(repr(ffn_architecture(module)).encode()).hexdigest()[:16]
+    return {"x": list(shape), "dtype": dtype_name(dtype), "device": str(device), "module": architecture}
 
 
 def attention_contender(form: AttentionForm, site: str, call: AttentionCall) -> Contender:
@@ -79,6 +93,7 @@ class Calibration:
     routes: RouteTable
     staging: StagingPool
     progress: Progress
+    saved: SavedDecisions | None = None  # a receipt given to attach: its timings seed `timings`
     timings: TimingCache = field(default_factory=TimingCache)
     clock: AttachClock = field(default_factory=AttachClock)
     attention: dict[str, dict[Any, ShapeRecord]] = field(default_factory=dict)
@@ -102,7 +117,8 @@ class Calibration:
         if key in records:
             records[key].calls += 1
             return host()
-        record = ShapeRecord(key.describe() if call is not None else "-", 1, "host")
+        record = ShapeRecord(key.describe() if call is not None else "-", 1, "host",
+                             key=key.fields() if call is not None else None)
         records[key] = record
         if call is None or problem:
             record.reason = receipts.host_only(problem or "")
@@ -145,7 +161,7 @@ class Calibration:
             records[key].calls += 1
             return site.replacement(x) if key in site.keys else site.host_forward(x)
         site.known.add(key)
-        record = records[key] = ShapeRecord(describe_input(x), 1, "host")
+        record = records[key] = ShapeRecord(describe_input(x), 1, "host", key=ffn_key_fields(site.module, key))
         if not self.ffn_forms:
             record.reason = receipts.NO_FORMS.format(family="ffn")
             return site.host_forward(x)
@@ -180,8 +196,16 @@ class Calibration:
                 host: Callable[[], torch.Tensor], contenders: list[Contender]) -> Decision:
         self.current = site
         self.progress.meet(site, shape)
+        offer = self.saved.offer(site, record.key, contenders) if self.saved is not None else None
+        if offer is not None:
+            offer.seed(self.timings)
         decision = decide(Trial(site, shape, device, host), contenders, self.options, self.timings, self.clock,
                           record)
+        if offer is not None:
+            used = [c for c in contenders if c.name in record.timings]
+            record.basis, record.basis_reason = offer.basis(
+                [c.name for c in used if not self.timings.reused(c.timing_key)],
+                any(self.timings.reused(c.timing_key) for c in used))
         self.current = None
         return decision
 

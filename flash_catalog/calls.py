@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -60,6 +61,15 @@ class ShapeKey(NamedTuple):
         if self.is_causal:
             text += " causal"
         return text
+
+    def fields(self) -> dict[str, Any]:
+        """The key as a receipt stores it (`ShapeRecord.key`): plain JSON values, the mask's structure as a digest
+        (a padding or group layout can hold a flag per key)."""
+        fields: dict[str, Any] = {k: list(v) if isinstance(v, tuple) else v for k, v in self._asdict().items()}
+        structure = self.mask_structure
+        fields["mask_structure"] = (hashlib.sha256(repr(structure).encode()).hexdigest()[:16]
+                                    if structure is not None else None)
+        return fields
 
 
 _UNSTRUCTURED = ("none", "all_pass", "arbitrary")

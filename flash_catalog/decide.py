@@ -36,33 +36,51 @@ class GateOptions:
         return self.rounds if self.rounds is not None else 9
 
 
+@dataclass(frozen=True)
+class Cached:
+    """A timing in the cache: measured at `origin` (a site) by this attach, or `reused` from the receipt `origin`."""
+
+    timing: Timing
+    origin: str
+    reused: bool = False
+
+    def note(self, site: str) -> str:
+        """What a receipt says of where the timing came from: "" at the site that measured it."""
+        if self.reused:
+            return f"reused from {self.origin}"
+        return f"timed at {self.origin}" if self.origin != site else ""
+
+
 @dataclass
 class TimingCache:
     """Speed depends on shape, not data: a timing measured at one site serves every site with the same key.
 
     Attention keys are (form, shape), or (form, site) for a spec with `per_shape = false`; feed-forward keys add
-    the module's architecture. Accuracy is still gated at every site."""
+    the module's architecture. A receipt given to attach seeds it (`seed`). Accuracy is still gated at every site."""
 
-    entries: dict[tuple, tuple[Timing, str]] = field(default_factory=dict)
+    entries: dict[tuple, Cached] = field(default_factory=dict)
+
+    def seed(self, key: tuple, timing: Timing, receipt: str) -> None:
+        """A timing from a receipt; one already known for `key` stays."""
+        self.entries.setdefault(key, Cached(timing, receipt, reused=True))
+
+    def reused(self, key: tuple) -> bool:
+        """The timing known for `key` came from a receipt."""
+        cached = self.entries.get(key)
+        return cached is not None and cached.reused
 
     def known(self, key: tuple, site: str) -> tuple[Timing, str] | None:
-        """The timing already measured for `key`, with the receipt's note, or None."""
+        """The timing already known for `key`, with the receipt's note, or None."""
         cached = self.entries.get(key)
-        if cached is None:
-            return None
-        timing, origin = cached
-        return timing, (f"timed at {origin}" if origin != site else "")
+        return (cached.timing, cached.note(site)) if cached is not None else None
 
     def timed(self, key: tuple, site: str, measure: Callable[[], Timing]) -> tuple[Timing, str]:
-        """The timing for `key`, measured now or reused, and the receipt's note: "timed at <site>" when another
-        site measured it."""
+        """The timing for `key`, measured now or already known, and the receipt's note ("timed at <site>" when
+        another site measured it, "reused from <receipt>")."""
         cached = self.entries.get(key)
         if cached is None:
-            timing = measure()
-            self.entries[key] = (timing, site)
-            return timing, ""
-        timing, origin = cached
-        return timing, (f"timed at {origin}" if origin != site else "")
+            cached = self.entries[key] = Cached(measure(), site)
+        return cached.timing, cached.note(site)
 
 
 @dataclass
@@ -170,6 +188,7 @@ def _decide(trial: Trial, contenders: Sequence[Contender], options: GateOptions,
             measured = _measure(trial, contender, host_out, options, timings, clock, record)
             if measured is None:
                 continue
+            record.timings[contender.name] = measured.timing
             need = options.speedup_needed(contender.spec)
             if clears(measured.timing, need):
                 passed.append(measured)

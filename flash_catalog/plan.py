@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from .gate import Timing
 from .kernels.staging import StagingPool
 
 if TYPE_CHECKING:
@@ -16,6 +18,21 @@ OUTCOMES = ("bound", "declined", "refused", "host")
 """bound: a form serves the shape. declined: a form qualified and was accurate but not fast enough.
 refused: no form qualified (envelope or accuracy floor). host: no form was tried (none selected, the
 site was not called, or the host passes arguments only it understands)."""
+
+SCHEMA = 1
+"""The receipt format `Plan.to_dict` writes and `Plan.load` reads; other versions are refused."""
+
+
+class ReceiptError(ValueError):
+    """A receipt that cannot be read as a plan: the message names the file and what is wrong with it."""
+
+
+class Basis(Enum):
+    """Where a shape's decision came from: this attach's measurement, or a receipt given to it (`attach(plan=)`)."""
+
+    DECIDED = "decided"  # decided by this attach: no receipt was given, or no form was tried at this shape
+    REUSED = "reused"  # the receipt's timings decided it, nothing was timed here; accuracy was checked here
+    REDECIDED = "re-decided"  # a receipt was given but could not serve it (basis_reason says why): decided here
 
 
 @dataclass
@@ -33,6 +50,22 @@ class ShapeRecord:
     form_ms: float | None = None
     spread: tuple[float, float] | None = None  # the speedup's confidence interval
     rounds: int | None = None
+    key: dict[str, Any] | None = None  # what the decision depends on (shapes, dtypes, mask, ...): a receipt's
+    # decision serves a later attach only at the same site and key
+    timings: dict[str, Timing] = field(default_factory=dict)  # per form: the timing its verdict came from
+    basis: Basis = Basis.DECIDED
+    basis_reason: str = ""  # a receipt was given: what was reused from it, or why it did not serve
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "basis": self.basis.value}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ShapeRecord:
+        spread = data.get("spread")
+        return cls(**{**data, "basis": Basis(data.get("basis", Basis.DECIDED.value)),
+                      "spread": tuple(spread) if spread is not None else None,
+                      "timings": {name: Timing(**{**t, "ratios": tuple(t["ratios"])})
+                                  for name, t in data.get("timings", {}).items()}})
 
 
 @dataclass
@@ -68,7 +101,11 @@ class SiteRecord:
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "kind": self.kind, "outcome": self.outcome, "form": self.form,
-                "memory": self.memory, "shapes": [asdict(s) for s in self.shapes]}
+                "memory": self.memory, "shapes": [s.to_dict() for s in self.shapes]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SiteRecord:
+        return cls(data["name"], [ShapeRecord.from_dict(s) for s in data["shapes"]], data["kind"], data["memory"])
 
 
 @dataclass(frozen=True)
@@ -90,6 +127,16 @@ class AttachTimings:
                 f"binding {self.binding_s:.1f} s")
 
 
+@dataclass(frozen=True)
+class ReceiptUse:
+    """The receipt an attach was given (`attach(plan=...)`): where it came from, and whether it could serve. When its
+    environment differs from this one (`reason` says how), every shape was re-decided."""
+
+    source: str  # the receipt's file, or "the given plan"
+    matched: bool
+    reason: str = ""
+
+
 @dataclass
 class Plan:
     sites: list[SiteRecord]
@@ -104,6 +151,39 @@ class Plan:
     routes: RouteTable | None = field(repr=False, default=None)
     """The attach's routes: what bound calls run, with the mask patterns they check (released by detach)."""
     timings: AttachTimings | None = None
+    receipt: ReceiptUse | None = None  # the receipt this attach reused decisions from, if any
+    source: str | None = None  # the file a loaded plan (`Plan.load`) was read from
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        """A saved plan (`Plan.save`), as a record: it holds no model (detaching it does nothing); `attach(plan=)`
+        reuses its decisions. A receipt of another schema version is refused with a `ReceiptError`."""
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ReceiptError(f"{path}: not a plan receipt (invalid JSON: {exc})") from exc
+        return cls.from_dict(data, str(path))
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "the given receipt") -> Plan:
+        """The plan `to_dict` wrote (see `load`); `source` names it in errors."""
+        if not isinstance(data, dict):
+            raise ReceiptError(f"{source}: not a plan receipt (a JSON object is expected, found {type(data).__name__})")
+        schema = data.get("schema")
+        if schema != SCHEMA:
+            found = f"schema {schema!r}" if "schema" in data else "no schema field (written before receipts had one)"
+            raise ReceiptError(f"{source}: receipt has {found}; this flash_catalog reads schema {SCHEMA}: attach "
+                               f"again without plan= and save a new receipt")
+        try:
+            timings, receipt = data["timings"], data["receipt"]
+            fallbacks, routed = dict(data["fallbacks"]), dict(data["routed"])
+            return cls(sites=[SiteRecord.from_dict(s) for s in data["sites"]], environment=dict(data["environment"]),
+                       options=dict(data["options"]), _fallbacks=lambda: fallbacks, _routed=lambda: routed,
+                       detached=True, timings=AttachTimings(**timings) if timings is not None else None,
+                       receipt=ReceiptUse(**receipt) if receipt is not None else None, source=source)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ReceiptError(f"{source}: malformed plan receipt ({type(exc).__name__}: {exc})") from exc
 
     @property
     def fallbacks(self) -> dict[str, int]:
@@ -140,8 +220,9 @@ class Plan:
         return totals
 
     def to_dict(self) -> dict[str, Any]:
-        return {"environment": self.environment, "options": self.options, "counts": self.counts(),
+        return {"schema": SCHEMA, "environment": self.environment, "options": self.options, "counts": self.counts(),
                 "memory": self.memory(), "timings": asdict(self.timings) if self.timings is not None else None,
+                "receipt": asdict(self.receipt) if self.receipt is not None else None,
                 "fallbacks": self.fallbacks, "routed": self.routed, "detached": self.detached,
                 "sites": [s.to_dict() for s in self.sites]}
 

@@ -156,3 +156,37 @@ def _legacy():
         }
 
     return model, make
+
+
+def wan_pipeline(seed: int = 0, two_experts: bool = True) -> Any:
+    """A tiny random Wan text-to-video pipeline, built offline: a UMT5 text encoder and a word-level tokenizer, a Wan
+    VAE and one transformer, or two (`transformer_2`, Wan 2.2 style: the first serves the high-noise half of the
+    steps). Call it as `pipe("a cat on the moon", num_inference_steps=2, height=32, width=32, num_frames=5,
+    max_sequence_length=8, output_type="pt")`."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
+
+    torch.manual_seed(seed)
+    words = ["<pad>", "</s>", "<unk>", "a", "cat", "on", "the", "moon"]
+    vocabulary = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    vocabulary.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=vocabulary, pad_token="<pad>", eos_token="</s>",
+                                        unk_token="<unk>")
+    text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(words), d_model=16, d_kv=4, d_ff=32, num_layers=1,
+                                               num_heads=2, relative_attention_num_buckets=8))
+    vae = AutoencoderKLWan(base_dim=3, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                           temperal_downsample=[False, True, True], latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
+
+    def transformer() -> nn.Module:
+        return WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
+            text_dim=16, freq_dim=32, ffn_dim=16, num_layers=1, cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
+
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder.eval(), vae=vae.eval(),
+                       scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0), transformer=transformer().eval(),
+                       transformer_2=transformer().eval() if two_experts else None,
+                       boundary_ratio=0.5 if two_experts else None)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe

@@ -1,0 +1,229 @@
+"""Saved plans: a receipt read back (`Plan.load`) and re-attached from (`attach(plan=...)`): decisions reused where
+the environment, the form's spec and the site's shape match, with no timing run and accuracy still checked;
+re-decided, with the reason, where they do not."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from flash_catalog import Basis, Catalog, Plan, ReceiptError, attach, detach
+from flash_catalog import decide as decide_module
+from flash_catalog.catalog import specs_dir
+from flash_catalog.environment import describe, environment
+from flash_catalog.tiny_hosts import build
+
+SDPA_SPEC = (Path(specs_dir()) / "attention_core" / "sdpa_dense.toml").read_text()
+
+
+@pytest.fixture
+def timing_runs(monkeypatch):
+    """The paired timings attach runs (the real gate, counted)."""
+    runs: list[str] = []
+    real = decide_module.paired_speedup
+
+    def counted(*args, **kwargs):
+        runs.append("timed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(decide_module, "paired_speedup", counted)
+    return runs
+
+
+def run(model, inputs):
+    with torch.no_grad():
+        return model(**inputs)[0]
+
+
+def shapes(plan):
+    return [s for site in plan.sites for s in site.shapes]
+
+
+def saved_receipt(tmp_path, host, **options) -> tuple[Path, Plan]:
+    plan = attach(host.model, host.inputs(), min_speedup=0, timing_rounds=3, **options)
+    detach(plan)
+    return plan.save(tmp_path / "receipt.json"), plan
+
+
+def test_a_receipt_reads_back_as_the_plan_it_saved(tmp_path):
+    host = build("wan")
+    path, plan = saved_receipt(tmp_path, host)
+    data = json.loads(path.read_text())
+    assert data["schema"] == 1
+    shape = data["sites"][0]["shapes"][0]
+    assert shape["key"]["q"] == [1, 32, 2, 12] and shape["key"]["layout"] == "bshd"  # the static key, as fields
+    assert shape["timings"]["sdpa_dense"]["speedup"] == shape["speedup"] and shape["basis"] == "decided"
+    assert data["environment"]["specs"]["sdpa_dense"] == environment(None, Catalog.load().specs)["specs"]["sdpa_dense"]
+
+    loaded = Plan.load(path)
+    assert loaded.sites == plan.sites and loaded.environment == plan.environment and loaded.options == plan.options
+    assert loaded.timings == plan.timings and loaded.source == str(path)
+    assert loaded.detached
+    detach(loaded)  # holds no model: nothing to do
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda d: d.update(schema=2), "receipt has schema 2; this flash_catalog reads schema 1"),
+    (lambda d: d.pop("schema"), "receipt has no schema field"),
+    (lambda d: d["sites"][0].pop("name"), "malformed plan receipt (KeyError: 'name')"),
+])
+def test_a_receipt_of_another_schema_or_malformed_is_refused_naming_the_file(tmp_path, edit, message):
+    host = build("flux")
+    path, _ = saved_receipt(tmp_path, host)
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+    with pytest.raises(ReceiptError, match="^" + str(path).replace("\\", "\\\\") + ": ") as info:
+        Plan.load(path)
+    assert message in str(info.value)
+    state = {k: v.clone() for k, v in host.model.state_dict().items()}
+    with pytest.raises(ReceiptError):
+        attach(host.model, host.inputs(), plan=path)  # refused before anything is patched
+    assert all(torch.equal(host.model.state_dict()[k], v) for k, v in state.items())
+    path.write_text("{not json")
+    with pytest.raises(ReceiptError, match="not a plan receipt"):
+        Plan.load(path)
+
+
+def test_reattaching_from_a_receipt_reuses_every_decision_and_times_nothing(tmp_path, timing_runs):
+    host = build("wan")
+    inputs = host.inputs()
+    reference = run(host.model, inputs)
+    state = {k: v.clone() for k, v in host.model.state_dict().items()}
+    path, first = saved_receipt(tmp_path, host)
+    assert timing_runs  # the first attach timed (one timing per shape key, shared by the sites)
+    timing_runs.clear()
+
+    plan = attach(host.model, inputs, min_speedup=0, plan=path)
+    assert timing_runs == []  # one calibration call and accuracy checks: no paired timing
+    assert plan.receipt is not None and plan.receipt.matched and plan.receipt.source == str(path)
+    for saved, shape in zip(shapes(first), shapes(plan)):
+        assert shape.basis is Basis.REUSED and shape.basis_reason == f"timings from {path}"
+        assert shape.outcome == "bound" and shape.form == saved.form
+        assert shape.timings == saved.timings and shape.speedup == saved.speedup
+        assert shape.cosine is not None and shape.cosine >= 0.9999  # accuracy checked at every site, here
+        assert f"(reused from {path})" in shape.reason
+    torch.testing.assert_close(run(host.model, inputs), reference, rtol=1e-5, atol=1e-5)
+    assert sum(plan.routed.values()) == 6
+
+    detach(plan)
+    assert all(torch.equal(host.model.state_dict()[k], v) for k, v in state.items())
+    assert torch.equal(run(host.model, inputs), reference)
+    # a Plan object serves as well as its file
+    again = attach(host.model, inputs, min_speedup=0, plan=first)
+    assert {s.basis for s in shapes(again)} == {Basis.REUSED} and timing_runs == []
+    assert shapes(again)[0].basis_reason == "timings from the given plan"
+    detach(again)
+
+
+def test_a_form_the_receipt_timed_not_faster_is_not_run_again(tmp_path, timing_runs):
+    host = build("flux")
+    inputs = host.inputs()
+    reference = run(host.model, inputs)
+    path, first = saved_receipt(tmp_path, host)
+    timing_runs.clear()
+    plan = attach(host.model, inputs, min_speedup=1e6, plan=path)  # the receipt's timing cannot reach this
+    assert timing_runs == []
+    for saved, shape in zip(shapes(first), shapes(plan)):
+        assert shape.outcome == "declined" and shape.basis is Basis.REUSED
+        assert shape.timings == saved.timings
+        assert shape.cosine is None  # the form was not run: its timing's verdict was reused
+        assert shape.reason.startswith("sdpa_dense: declined, not faster (need 1000000.0x)")
+        assert shape.reason.endswith(f"reused from {path} at q=(1,24,2,16), not run here")
+    assert torch.equal(run(host.model, inputs), reference)  # nothing bound: the host ran
+    detach(plan)
+
+
+def write_spec(folder: Path, name: str, implementation: str | None = None, max_rel_err: float = 0.02) -> None:
+    text = SDPA_SPEC.replace('name = "sdpa_dense"', f'name = "{name}"').replace("0.02", str(max_rel_err))
+    if implementation is not None:
+        text = text.replace("flash_catalog.forms.sdpa_dense:SdpaDense", implementation)
+    (folder / f"{name}.toml").write_text(text)
+
+
+def test_accuracy_is_checked_again_when_a_receipt_is_reused(tmp_path, timing_runs):
+    """A form bound under a lenient floor is refused at the default floor: the receipt's timing does not bind it."""
+    write_spec(tmp_path, "wrong_scale", "noisy_form:WrongScale")
+    catalog = Catalog.load([tmp_path])
+    host = build("flux")
+    path, first = saved_receipt(tmp_path, host, catalog=catalog, min_cosine=-1.0, max_rel_err=1e9)
+    assert {s.outcome for s in shapes(first)} == {"bound"}
+    timing_runs.clear()
+    plan = attach(host.model, host.inputs(), catalog=catalog, min_speedup=0, plan=path)
+    assert timing_runs == []
+    for shape in shapes(plan):
+        assert shape.outcome == "refused" and shape.basis is Basis.REUSED
+        assert shape.reason.startswith("wrong_scale: accuracy cos=") and "below floor" in shape.reason
+    detach(plan)
+
+
+def test_another_environment_redecides_everything_saying_why(tmp_path, timing_runs):
+    host = build("flux")
+    path, _ = saved_receipt(tmp_path, host)
+    data = json.loads(path.read_text())
+    data["environment"]["torch"] = "2.0.0"
+    path.write_text(json.dumps(data))
+    timing_runs.clear()
+    plan = attach(host.model, host.inputs(), min_speedup=0, timing_rounds=1, plan=path)
+    here = environment(None, [])
+    expected = (f"receipt from {describe(data['environment'])}; here {describe(plan.environment)}")
+    assert "torch 2.0.0" in expected and f"torch {here['torch']}" in expected
+    assert plan.receipt is not None and not plan.receipt.matched and plan.receipt.reason == expected
+    assert len(timing_runs) == 1  # both sites at one shape key: timed once
+    for shape in shapes(plan):  # the second site uses the timing the first one took
+        assert shape.basis is Basis.REDECIDED and shape.basis_reason == f"timed by this attach: sdpa_dense ({expected})"
+        assert shape.outcome == "bound" and "reused from" not in shape.reason
+    assert Plan.from_dict(json.loads(plan.to_json())).receipt == plan.receipt
+    detach(plan)
+
+
+def test_a_shape_the_receipt_does_not_hold_is_redecided(tmp_path, timing_runs):
+    host = build("flux")
+    path, _ = saved_receipt(tmp_path, host)
+    timing_runs.clear()
+    plan = attach(host.model, host.inputs(2), min_speedup=0, timing_rounds=1, plan=path)
+    assert plan.receipt.matched and len(timing_runs) == 1
+    missing = f"{path} has no decision for this site at this shape"
+    for shape in shapes(plan):
+        assert shape.shape.startswith("q=(1,72,2,16)") and shape.basis is Basis.REDECIDED
+        assert shape.basis_reason == f"timed by this attach: sdpa_dense ({missing})"
+    detach(plan)
+
+
+def test_a_form_whose_spec_changed_is_timed_again(tmp_path, timing_runs):
+    specs = tmp_path / "specs"
+    specs.mkdir()
+    write_spec(specs, "sdpa_dense")
+    host = build("flux")
+    path, _ = saved_receipt(tmp_path, host, catalog=Catalog.load([specs]))
+    write_spec(specs, "sdpa_dense", max_rel_err=0.03)
+    timing_runs.clear()
+    plan = attach(host.model, host.inputs(), catalog=Catalog.load([specs]), min_speedup=0, timing_rounds=1, plan=path)
+    assert plan.receipt.matched and len(timing_runs) == 1
+    for shape in shapes(plan):
+        assert shape.basis is Basis.REDECIDED and shape.outcome == "bound"
+        assert shape.basis_reason == f"timed by this attach: sdpa_dense (its spec changed since {path})"
+    detach(plan)
+
+
+def test_feed_forward_decisions_are_reused_through_the_same_path(tmp_path, timing_runs):
+    host = build("ltx2", dtype=torch.bfloat16)
+    inputs = host.inputs()
+    reference = run(host.model, inputs)
+    path, first = saved_receipt(tmp_path, host, attention_forms=[], ffn_forms=["fp8_rowwise"])
+    timing_runs.clear()
+    plan = attach(host.model, inputs, attention_forms=[], ffn_forms=["fp8_rowwise"], min_speedup=0, plan=path)
+    assert timing_runs == []
+    ff = plan.site("transformer_blocks.0.ff").shapes[0]
+    assert ff.outcome == "bound" and ff.basis is Basis.REUSED and ff.key["module"] and ff.key["x"] == [2, 128, 16]
+    assert ff.timings == first.site("transformer_blocks.0.ff").shapes[0].timings and ff.cosine >= 0.997
+    audio = plan.site("transformer_blocks.0.audio_ff").shapes[0]
+    assert audio.outcome == "refused" and audio.basis is Basis.REUSED  # refused by its envelope, nothing to time
+    assert audio.basis_reason == f"nothing to time, as in {path}"
+    out = run(host.model, inputs)
+    assert torch.nn.functional.cosine_similarity(out.float().flatten(), reference.float().flatten(), dim=0) > 0.999
+    detach(plan)
+    assert torch.equal(run(host.model, inputs), reference)
