@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from .specs import Spec, SpecError, load_spec
+from .implementations import ImportStatus, family_problem, import_implementation
+from .specs import Spec, SpecError, SpecProblem, load_spec
 
 
 def specs_dir() -> Path:
@@ -20,31 +20,59 @@ def specs_dir() -> Path:
 
 
 def spec_files(paths: Sequence[str | Path]) -> list[Path]:
-    """Expand folders into their `*.toml` files (recursively), in a stable order."""
+    """Expand folders into their `*.toml` spec files (recursively, leaving out `profiles/`), in a stable order."""
     out: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            out.extend(sorted(f for f in p.rglob("*.toml") if "profiles" not in f.parts))
+            out.extend(sorted(f for f in p.rglob("*.toml") if "profiles" not in f.relative_to(p).parts))
         else:
             out.append(p)
     return out
 
 
+def name_clashes(specs: Sequence[Spec]) -> list[SpecProblem]:
+    """A problem for every spec whose name an earlier one already declares, naming both files."""
+    seen: dict[str, Spec] = {}
+    problems = []
+    for spec in specs:
+        if spec.name in seen:
+            problems.append(SpecProblem(spec.path, f"field 'name' is {spec.name!r}; allowed: a name not already "
+                                                   f"used (also declared in {seen[spec.name].path})", "name"))
+        else:
+            seen[spec.name] = spec
+    return problems
+
+
 @dataclass(frozen=True)
 class Catalog:
+    """Specs with distinct names (checked at construction: a clash is a SpecError naming both files)."""
+
     specs: tuple[Spec, ...]
 
+    def __post_init__(self) -> None:
+        clashes = name_clashes(self.specs)
+        if clashes:
+            raise SpecError(clashes)
+
     @classmethod
-    def load(cls, paths: Sequence[str | Path] | None = None) -> "Catalog":
-        files = spec_files(paths if paths is not None else [specs_dir()])
-        specs = tuple(load_spec(f) for f in files)
-        seen: dict[str, Spec] = {}
-        for spec in specs:
-            if spec.name in seen:
-                raise SpecError(f"{spec.path}: field 'name' is {spec.name!r}; allowed: a name not already "
-                                f"used (also declared in {seen[spec.name].path})")
-            seen[spec.name] = spec
-        return cls(specs)
+    def load(cls, paths: Sequence[str | Path] | None = None, *, extend: bool = False) -> "Catalog":
+        """The specs in `paths` (files or folders); None: the shipped catalog. `extend=True` adds them to the
+        shipped catalog instead of replacing it. Every problem in every file is raised as one SpecError."""
+        if extend:
+            return cls.shipped().extend(paths or [])
+        return cls(_load_all(spec_files(paths if paths is not None else [specs_dir()])))
+
+    @classmethod
+    def shipped(cls) -> "Catalog":
+        """The catalog shipped with flash_catalog (`specs/`)."""
+        return cls.load()
+
+    def extend(self, paths: Sequence[str | Path]) -> "Catalog":
+        """This catalog plus the specs in `paths`; a name already in the catalog is a SpecError naming both files."""
+        return Catalog(self.specs + _load_all(spec_files(paths)))
+
+    def names(self, family: str) -> list[str]:
+        return [s.name for s in self.family(family)]
 
     def family(self, family: str) -> list[Spec]:
         """The family's specs in the default order: precision first, then name."""
@@ -66,33 +94,40 @@ class Catalog:
         return [known[n] for n in dict.fromkeys(names)]
 
 
+def _load_all(files: Sequence[Path]) -> tuple[Spec, ...]:
+    specs: list[Spec] = []
+    problems: list[SpecProblem] = []
+    for path in files:
+        try:
+            specs.append(load_spec(path))
+        except SpecError as exc:
+            problems.extend(exc.problems)
+    if problems:
+        raise SpecError(problems)
+    return tuple(specs)
+
+
 def build_form(spec: Spec, *, trust_remote_code: bool | Sequence[str] = False) -> Any:
     """Import the spec's implementation and construct the form object for it.
 
-    A missing optional dependency of the implementation (triton on a CPU-only machine, say), or a form whose
-    constructor raises `KernelUnavailable` (a `[hub]` kernel that cannot be resolved here), gives an
-    `Unavailable` form that every site refuses with the reason; a wrong implementation path is a SpecError.
+    A missing optional dependency of the implementation (triton on a CPU-only machine, say), an import that
+    fails, or a form whose constructor raises `KernelUnavailable` (a `[hub]` kernel that cannot be resolved here)
+    gives an `Unavailable` form that every site refuses with the reason; a wrong implementation path, a module
+    that raises on import, or a class that is not a form of the spec's family is a SpecError.
     `trust_remote_code` (the caller's opt-in to code from the Hugging Face Hub: True, or a list of repo ids)
     is passed to the form of a `[hub]` spec only.
     """
     from .forms.unavailable import KernelUnavailable, Unavailable
 
-    module_name, _, attr = spec.implementation.partition(":")
+    impl = import_implementation(spec)
+    if impl.status in (ImportStatus.MISSING_DEPENDENCY, ImportStatus.IMPORT_ERROR):
+        return Unavailable(spec, impl.detail)
+    if impl.cls is None:
+        raise SpecError([impl.problem()])
+    wrong_family = family_problem(spec, impl.cls)
+    if wrong_family is not None:
+        raise SpecError([wrong_family])
     try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        missing = exc.name or ""
-        if missing and (module_name == missing or module_name.startswith(missing + ".")):
-            raise SpecError(f"{spec.path}: field 'implementation' is {spec.implementation!r}; "
-                            f"allowed: an importable 'module:Class' (no module {missing!r})") from exc
-        return Unavailable(spec, f"needs {missing}, which is not installed")
-    except ImportError as exc:
-        return Unavailable(spec, f"import failed: {exc}")
-    cls = getattr(module, attr, None)
-    if cls is None:
-        raise SpecError(f"{spec.path}: field 'implementation' is {spec.implementation!r}; "
-                        f"allowed: an importable 'module:Class' ({module_name} has no {attr!r})")
-    try:
-        return cls(spec, trust_remote_code=trust_remote_code) if spec.hub is not None else cls(spec)
+        return impl.cls(spec, trust_remote_code=trust_remote_code) if spec.hub is not None else impl.cls(spec)
     except KernelUnavailable as exc:
         return Unavailable(spec, str(exc))

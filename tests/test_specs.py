@@ -101,3 +101,103 @@ def test_select_order_unknown_and_empty(tmp_path):
         catalog.select("attention_core", ["sage9"])
     with pytest.raises(TypeError, match=r"write \['toy_form'\]"):
         catalog.select("attention_core", "toy_form")
+
+
+def test_every_problem_in_a_file_is_reported_at_once(tmp_path):
+    text = (GOOD.replace('precision = "fp8"', 'precision = "fp9"').replace('dtypes = ["bfloat16"]', 'dtypes = []')
+            .replace("min_cosine = 0.999", "min_cosine = 1.5").replace("[envelope]", "[envelope]\ncolour = 1"))
+    path = write(tmp_path, text)
+    with pytest.raises(SpecError) as err:
+        load_spec(path)
+    problems = err.value.problems
+    assert [p.field for p in problems] == ["precision", "envelope.colour", "envelope.dtypes", "accuracy.min_cosine"]
+    assert all(p.path == path for p in problems)
+    assert str(err.value).splitlines() == [str(p) for p in problems]
+    assert str(problems[2]) == (f"{path}: field 'envelope.dtypes' is []; allowed: a non-empty list of float16, "
+                                f"bfloat16, float32")
+
+
+def test_a_missing_table_is_one_problem_not_one_per_field(tmp_path):
+    with pytest.raises(SpecError) as err:
+        load_spec(write(tmp_path, GOOD.split("[envelope]")[0] + "[accuracy]" + GOOD.split("[accuracy]")[1]))
+    assert [p.message for p in err.value.problems] == ["field 'envelope' is missing; allowed: a table"]
+
+
+@pytest.mark.parametrize("old,new,message", [
+    ("masks = [\"none\"]", "masks = [\"none\"]\nmin_seq = 512\nmax_seq = 128",
+     "field 'envelope.min_seq' is 512; allowed: at most envelope.max_seq (128)"),
+    ("head_dims = [64, 128]", "head_dims = [64, 128]\nmax_head_dim = 96",
+     "field 'envelope.head_dims' is 128; allowed: head dims <= envelope.max_head_dim (96)"),
+    ('devices = ["cuda"]', 'devices = ["cpu"]',
+     "field 'envelope.min_capability' is '8.9'; allowed: unset when envelope.devices has no 'cuda'"),
+    ('min_capability = "8.9"', 'emulation = true',
+     "field 'envelope.emulation' is True; allowed: false unless envelope.min_capability is set"),
+    ('min_capability = "8.9"', 'min_capability = "8.0"',
+     "field 'envelope.min_capability' is '8.0'; allowed: at least '8.9' for precision fp8 (its tensor cores), "
+     "or emulation = true"),
+    ('min_capability = "8.9"\ndtypes = ["bfloat16"]', 'min_capability = "7.5"\ndtypes = ["float16", "bfloat16"]',
+     "field 'envelope.dtypes' is 'bfloat16'; allowed: dtypes without bfloat16 below CUDA sm_80"),
+    ('masks = ["none"]', 'masks = ["none", "causal", "none"]', "field 'envelope.masks' is 'none'; allowed: each "
+                                                               "value once"),
+])
+def test_fields_that_contradict_each_other(tmp_path, old, new, message):
+    text = GOOD.replace(old, new)
+    if "7.5" in new:
+        text = text.replace('precision = "fp8"', 'precision = "native"')
+    assert text != GOOD
+    with pytest.raises(SpecError) as err:
+        load_spec(write(tmp_path, text))
+    assert [p.message for p in err.value.problems if p.message.startswith(message)], str(err.value)
+
+
+def test_emulation_lifts_the_precision_floor(tmp_path):
+    text = GOOD.replace('min_capability = "8.9"', 'min_capability = "10.0"\nemulation = true').replace(
+        'precision = "fp8"', 'precision = "fp4"')
+    assert load_spec(write(tmp_path, text)).envelope.emulation
+
+
+def test_attention_fields_in_a_feed_forward_spec_are_refused(tmp_path):
+    text = GOOD.replace('family = "attention_core"', 'family = "vision_ffn"').replace(
+        "flash_catalog.forms.sdpa_dense:SdpaDense", "flash_catalog.forms.fp8_rowwise:Fp8RowwiseFfn")
+    with pytest.raises(SpecError) as err:
+        load_spec(write(tmp_path, text))
+    assert [p.field for p in err.value.problems] == ["envelope.head_dims", "envelope.masks"]
+    assert "(head_dims, max_head_dim, min_seq, max_seq, masks, causal, gqa describe attention calls: " \
+           "attention_core specs only)" in str(err.value)
+
+
+def test_a_profile_given_as_a_spec_says_so(tmp_path):
+    with pytest.raises(SpecError, match="this is a profile .* profiles live in a profiles/ folder"):
+        load_spec(write(tmp_path, 'name = "p"\nffn_forms = ["fp8_rowwise"]\n'))
+
+
+def test_a_catalog_extends_the_shipped_one_and_a_clash_names_both_files(tmp_path):
+    write(tmp_path, GOOD, "toy.toml")
+    shipped = Catalog.shipped()
+    extended = Catalog.load([tmp_path], extend=True)
+    assert [s.name for s in extended.specs] == [s.name for s in shipped.specs] + ["toy_form"]
+    assert shipped.extend([tmp_path]) == extended
+    clash = write(tmp_path, GOOD.replace('name = "toy_form"', 'name = "sdpa_dense"'), "clash.toml")
+    with pytest.raises(SpecError) as err:
+        shipped.extend([clash])
+    assert str(err.value) == (f"{clash}: field 'name' is 'sdpa_dense'; allowed: a name not already used (also "
+                              f"declared in {specs_dir() / 'attention_core' / 'sdpa_dense.toml'})")
+
+
+def test_a_catalog_load_reports_the_problems_of_every_file(tmp_path):
+    write(tmp_path, GOOD.replace('precision = "fp8"', 'precision = "fp9"'), "a.toml")
+    write(tmp_path, GOOD.replace('name = "toy_form"', 'name = "Toy"'), "b.toml")
+    with pytest.raises(SpecError) as err:
+        Catalog.load([tmp_path])
+    assert [(p.path.name, p.field) for p in err.value.problems] == [("a.toml", "precision"), ("b.toml", "name")]
+
+
+def test_build_form_refuses_a_class_of_the_other_family(tmp_path):
+    from flash_catalog.catalog import build_form
+
+    spec = load_spec(write(tmp_path, GOOD.replace("flash_catalog.forms.sdpa_dense:SdpaDense",
+                                                  "flash_catalog.forms.fp8_rowwise:Fp8RowwiseFfn")))
+    with pytest.raises(SpecError, match=r"field 'implementation' is 'flash_catalog.forms.fp8_rowwise:Fp8RowwiseFfn', "
+                                        r"a vision_ffn form; allowed: a subclass of "
+                                        r"flash_catalog.forms.base.AttentionForm \(family attention_core\)"):
+        build_form(spec)
