@@ -234,18 +234,27 @@ class Plan:
         path.write_text(self.to_json() + "\n")
         return path
 
+    def __repr__(self) -> str:
+        counts = ", ".join(f"{n} {o}" for o, n in self.counts().items() if n)
+        return f"Plan({len(self.sites)} sites: {counts or 'none'}; {'detached' if self.detached else 'attached'})"
+
     def __str__(self) -> str:
+        """A table, one line per site and shape; long cells end in an ellipsis (the full reason is in
+        `plan.site(name)` and `plan.to_dict()`)."""
         rows = [("site", "shape", "outcome", "form", "speedup", "cosine", "reason")]
         for site in self.sites:
             for s in site.shapes:
                 rows.append((site.name, s.shape, s.outcome, s.form or "-",
                              f"{s.speedup:.2f}x" if s.speedup is not None else "-",
                              f"{s.cosine:.6f}" if s.cosine is not None else "-", s.reason))
-        widths = [min(max(len(r[i]) for r in rows), 48) for i in range(len(rows[0]) - 1)]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
+        cells = [tuple(_clip(c, w) for c, w in zip(r, _COLUMN_WIDTHS)) for r in rows]
+        widths = [max(len(r[i]) for r in cells) for i in range(len(rows[0]) - 1)]
+        lines = [("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1]).rstrip() for r in cells]
         counts = ", ".join(f"{n} {o}" for o, n in self.counts().items() if n)
         state = "detached" if self.detached else "attached"
         footer = [f"{len(self.sites)} sites: {counts or 'none'} ({state})"]
+        if cells != rows:
+            footer.append("(cells ending in ... are cut: plan.site(name) and plan.to_dict() hold the full text)")
         mem = self.memory()
         if mem["host_bytes"]:
             footer.append(f"bound feed-forward weights on the device: {_size(mem['host_bytes'])} (host) -> "
@@ -256,6 +265,17 @@ class Plan:
         if self.timings is not None:
             footer.append(self.timings.describe())
         return "\n".join(lines + footer)
+
+
+_COLUMN_WIDTHS = (40, 72, 8, 20, 8, 8, 64)  # site, shape, outcome, form, speedup, cosine, reason
+
+
+def _clip(text: str, width: int) -> str:
+    """The first line of `text`, cut to `width` characters with an ellipsis when longer."""
+    line = text.split("\n", 1)[0]
+    if line == text and len(line) <= width:
+        return text
+    return line[:width - 3].rstrip() + "..."
 
 
 def _size(n: int) -> str:
