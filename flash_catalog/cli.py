@@ -1,18 +1,24 @@
-"""`flash-catalog`: the demo (attach, run, detach, verify) and the spec tools for catalog authors."""
+"""`flash-catalog`: the demo (attach, time, detach, verify) and the spec tools for catalog authors.
+
+Every argument is validated before any model is built: a bad value is an argparse error (exit code 2) that
+names the value and the choices."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
+import math
+import re
 import sys
-from typing import Sequence
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
-import torch
+from .catalog import Catalog
+from .specs import Spec, SpecError
+from .tiny_hosts import DIFFUSERS_MODELS, MODELS
 
-from .catalog import Catalog, spec_files, specs_dir
-from .specs import Spec, SpecError, load_spec
-from .tiny_hosts import MODELS
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -30,127 +36,218 @@ def _parser() -> argparse.ArgumentParser:
         description="Bind measured-faster attention kernels to unmodified PyTorch models; detach exactly.")
     sub = parser.add_subparsers(title="commands")
 
-    demo = sub.add_parser("demo", help="attach to a tiny random diffusers transformer, run it, detach, verify",
-                          description="Build a tiny randomly initialised diffusers transformer from config "
-                                      "(no download), attach, print the plan, run the attached model, "
-                                      "detach and verify that the host is restored bit-exactly.")
-    demo.add_argument("--model", choices=MODELS, default="ltx2",
-                      help="host: ltx2 (gated, perturbed attention; default), ltx, wan (image-to-video), flux, "
-                           "legacy (Attention + AttnProcessor2_0)")
-    demo.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
-    demo.add_argument("--dtype", choices=list(DTYPES), default=None,
+    demo = sub.add_parser(
+        "demo", help="attach to a tiny random model, time it against the host, detach, verify",
+        description="Build a tiny randomly initialised host (no download), attach, print the plan, time the "
+                    "attached model against the host side by side, detach and verify that the host is restored "
+                    "bit-exactly. The default host, tirex, is a TiRex-2 style grouped variate attention whose "
+                    "masked dense attention the grouped forms beat on a CPU too.")
+    demo.add_argument("--model", choices=MODELS, default="tirex",
+                      help="host: tirex (grouped variate attention, torch only; default), ltx2 (gated, perturbed "
+                           "attention), ltx, wan (image-to-video), flux, legacy (Attention + AttnProcessor2_0); "
+                           "all but tirex need diffusers")
+    demo.add_argument("--device", type=_device, default="cpu", help="cpu (default), cuda or cuda:N")
+    demo.add_argument("--dtype", choices=DTYPES, default=None,
                       help="model dtype (default: float32 on cpu, bfloat16 on cuda)")
-    demo.add_argument("--forms", default=None,
-                      help="comma-separated attention forms to try, in order (default: the catalog's order)")
-    demo.add_argument("--min-speedup", type=float, default=None,
+    demo.add_argument("--forms", type=_names, default=None, metavar="NAMES",
+                      help="comma-separated attention forms to try, in order (default: the profile's, else the "
+                           "catalog's order); see `flash-catalog specs list`")
+    demo.add_argument("--ffn-forms", type=_names, default=None, metavar="NAMES",
+                      help="comma-separated feed-forward forms (diffusers hosts; default: none, or the profile's)")
+    demo.add_argument("--profile", default=None, metavar="NAME", help="a named selection from specs/profiles")
+    demo.add_argument("--min-speedup", type=_number_at_least(0.0), default=None, metavar="RATIO",
                       help="speed gate: bind only at this ratio or better (default: each spec's, 1.02)")
-    demo.add_argument("--json", metavar="PATH", default=None, help="write the plan (the receipt) as JSON")
-    demo.set_defaults(run=_run_demo)
+    demo.add_argument("--runs", type=_integer_in(1, 1000), default=7, metavar="N",
+                      help="timed runs of the host and of the attached model, alternating (default: 7)")
+    demo.add_argument("--json", metavar="PATH", type=Path, default=None, help="write the plan (the receipt) as JSON")
+    demo.set_defaults(run=_run_demo(demo))
 
-    specs = sub.add_parser("specs", help="list or lint spec files")
+    specs = sub.add_parser("specs", help="list, check or find the usable spec files",
+                           description="Tools for catalog authors and users.")
     specs_sub = specs.add_subparsers(title="spec commands")
-    lst = specs_sub.add_parser("list", help="print the catalog with envelopes")
-    lst.add_argument("paths", nargs="*", help="spec files or folders (default: the shipped catalog)")
+    lst = specs_sub.add_parser("list", help="print the catalog with envelopes",
+                               description="Print each form with its envelope, accuracy floor and speed gate.")
+    _catalog_arguments(lst)
     lst.set_defaults(run=_run_list)
-    chk = specs_sub.add_parser("check", help="validate spec files; exit 1 if any is bad")
-    chk.add_argument("paths", nargs="*", help="spec files or folders (default: the shipped catalog)")
+    chk = specs_sub.add_parser(
+        "check", help="validate spec and profile files; exit 1 if any is bad",
+        description="Report every problem in every file: fields (naming file, field, value and the allowed "
+                    "values), contradictions between fields, an implementation that does not import or is not a "
+                    "form of its family, names used twice, and profiles naming forms the catalog lacks. A *.toml "
+                    "under a profiles/ folder is a profile; profiles are checked against the specs given (with "
+                    "--extend, or when no spec is given: with the shipped catalog). Exit 0 if all is well, 1 if "
+                    "not.")
+    _catalog_arguments(chk, default="the shipped catalog and profiles")
     chk.set_defaults(run=_run_check)
+    usable = specs_sub.add_parser(
+        "usable", help="which forms can run on this machine, and why not",
+        description="For each form: the devices it can run on here, or why not (no CUDA device, a compute "
+                    "capability below its envelope's, a requirement not installed, an implementation that does not "
+                    "import). What a form's own rules refuse shows only at attach, per call.")
+    _catalog_arguments(usable)
+    usable.set_defaults(run=_run_usable)
     specs.set_defaults(run=lambda a: (specs.print_help(), 2)[1])
     return parser
 
 
-def _run_demo(args: argparse.Namespace) -> int:
-    from . import attach, detach
-    from .tiny_hosts import build
+def _catalog_arguments(cmd: argparse.ArgumentParser, default: str = "the shipped catalog") -> None:
+    cmd.add_argument("paths", nargs="*", type=Path, metavar="PATH",
+                     help=f"spec files or folders (default: {default})")
+    cmd.add_argument("--extend", action="store_true",
+                     help="take PATHs together with the shipped catalog, as Catalog.load(paths, extend=True)")
+    cmd.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+def _device(text: str) -> str:
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"invalid device {text!r}; choose from cpu, cuda, cuda:N")
+    return text
+
+
+def _names(text: str) -> list[str]:
+    return [n.strip() for n in text.split(",") if n.strip()]
+
+
+def _number_at_least(lo: float) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < lo:
+            raise argparse.ArgumentTypeError(f"invalid value {text!r}; allowed: a number >= {lo}")
+        return value
+    return parse
+
+
+def _integer_in(lo: int, hi: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = lo - 1
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"invalid value {text!r}; allowed: an integer from {lo} to {hi}")
+        return value
+    return parse
+
+
+def _run_demo(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        options = _demo_options(parser, args)
+        from .demo import run_demo
+
+        return run_demo(options)
+    return run
+
+
+def _demo_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Any:
+    """Check what the parser could not (catalog names, the device, installed packages, the receipt's folder),
+    before any model is built: `parser.error` (exit 2) names the bad value and the choices."""
+    if args.model in DIFFUSERS_MODELS and importlib.util.find_spec("diffusers") is None:
+        parser.error(f"argument --model: {args.model!r} needs diffusers, which is not installed "
+                     f"(pip install 'flash_catalog[diffusers]'); --model tirex needs torch only")
+    try:
+        catalog = Catalog.load()
+        from .profiles import load_profiles
+
+        profiles = load_profiles()
+    except SpecError as exc:
+        parser.error(f"the shipped catalog does not load:\n{exc}")
+    for flag, family, names in (("--forms", "attention_core", args.forms), ("--ffn-forms", "vision_ffn",
+                                                                             args.ffn_forms)):
+        known = [s.name for s in catalog.family(family)]
+        unknown = [n for n in names or () if n not in known]
+        if unknown:
+            parser.error(f"argument {flag}: unknown {family} form(s) {', '.join(map(repr, unknown))}; "
+                         f"choose from {', '.join(known)}")
+    if args.profile is not None and args.profile not in profiles:
+        parser.error(f"argument --profile: unknown profile {args.profile!r}; choose from {', '.join(sorted(profiles))}")
+    if args.json is not None and not args.json.parent.is_dir():
+        parser.error(f"argument --json: no folder {str(args.json.parent)!r} to write {args.json.name!r} into")
+
+    import torch
+
+    from .demo import DemoOptions
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        print("flash-catalog demo: --device cuda asked for, but torch sees no CUDA device; use --device cpu",
-              file=sys.stderr)
-        return 2
-    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    forms = [f.strip() for f in args.forms.split(",") if f.strip()] if args.forms is not None else None
+        parser.error(f"argument --device: {args.device!r} asked for, but torch sees no CUDA device; use --device cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        parser.error(f"argument --device: {args.device!r}: torch sees {torch.cuda.device_count()} CUDA device(s); "
+                     f"choose from {', '.join(f'cuda:{i}' for i in range(torch.cuda.device_count()))}")
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    return DemoOptions(args.model, device, dtype, args.forms, args.ffn_forms, args.profile, args.min_speedup,
+                       args.runs, args.json)
 
-    host = build(args.model, device=device, dtype=dtype)
-    inputs = host.inputs()
-    print(f"host: tiny {args.model} ({sum(p.numel() for p in host.model.parameters())} parameters) "
-          f"on {device}, {str(dtype).removeprefix('torch.')}")
-    state_before = {k: v.clone() for k, v in host.model.state_dict().items()}
-    with torch.no_grad():
-        reference = _first(host.model(**inputs))
 
+def _load(args: argparse.Namespace) -> Catalog | None:
+    """The catalog the command reads, or None after printing every problem (exit 1)."""
     try:
-        plan = attach(host.model, inputs, attention_forms=forms, min_speedup=args.min_speedup)
-    except ValueError as exc:
-        print(f"flash-catalog demo: {exc}", file=sys.stderr)
-        return 2
-    print(plan)
-    with torch.no_grad():
-        attached = _first(host.model(**inputs))
-    print(f"attached output vs host: max abs diff {float((attached - reference).abs().max()):.3e}, "
-          f"fallbacks {sum(plan.fallbacks.values())}")
-    detach(plan)
-    if args.json:
-        print(f"receipt written to {plan.save(args.json)}")
-
-    with torch.no_grad():
-        restored = _first(host.model(**inputs))
-    state_after = host.model.state_dict()
-    exact = torch.equal(restored, reference) and state_after.keys() == state_before.keys() and all(
-        torch.equal(state_after[k], v) for k, v in state_before.items())
-    print("detach: host restored bit-exactly (outputs and state_dict equal)" if exact
-          else "detach: MISMATCH after detach: the host was not restored exactly")
-    return 0 if exact else 1
+        return Catalog.load(args.paths or None, extend=args.extend)
+    except SpecError as exc:
+        print(f"error: {len(exc.problems)} problem(s) in the spec files (flash-catalog specs check says more):\n"
+              f"{exc}", file=sys.stderr)
+        return None
 
 
 def _run_list(args: argparse.Namespace) -> int:
-    try:
-        catalog = Catalog.load(args.paths or None)
-    except SpecError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    catalog = _load(args)
+    if catalog is None:
         return 1
-    for spec in catalog.specs:
-        print(_describe(spec))
+    if args.json:
+        print(json.dumps([spec.to_dict() for spec in catalog.specs], indent=2))
+    else:
+        print("\n".join(describe(spec) for spec in catalog.specs))
     return 0
 
 
 def _run_check(args: argparse.Namespace) -> int:
-    files = spec_files(args.paths or [specs_dir()])
-    if not files:
-        print("no spec files found", file=sys.stderr)
+    from .spec_check import check
+
+    report = check(args.paths or None, extend=args.extend)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else "\n".join(report.lines()))
+    return 0 if report.ok else 1
+
+
+def _run_usable(args: argparse.Namespace) -> int:
+    from .availability import Machine, availability
+
+    catalog = _load(args)
+    if catalog is None:
         return 1
-    bad = 0
-    for path in files:
-        try:
-            spec = load_spec(path)
-            source = f", hub {spec.hub.describe()}:{spec.hub.function}" if spec.hub is not None else ""
-            print(f"ok    {path}: {spec.name} ({spec.family}, {spec.precision}{source})")
-        except SpecError as exc:
-            bad += 1
-            print(f"error {exc}")
-    if not bad:
-        try:
-            Catalog.load(files)
-        except SpecError as exc:
-            bad += 1
-            print(f"error {exc}")
-    print(f"{len(files)} spec file(s), {bad} bad")
-    return 1 if bad else 0
+    machine = Machine.here()
+    rows = [availability(spec, machine) for spec in catalog.specs]
+    if args.json:
+        print(json.dumps({"machine": machine.describe(), "forms": [r.to_dict() for r in rows]}, indent=2))
+        return 0
+    width = max(len(r.spec.name) for r in rows)
+    print(f"this machine: {machine.describe()}")
+    for r in rows:
+        where = f"on {', '.join(r.devices)}" if r.usable else "nowhere here"
+        why = "; ".join(r.reasons + r.notes)
+        print(f"{'usable' if r.usable else 'no':6}  {r.spec.name:{width}}  {where}" + (f"  ({why})" if why else ""))
+    return 0
 
 
-def _describe(spec: Spec) -> str:
+def describe(spec: Spec) -> str:
+    """A spec as `specs list` prints it: name, family and precision; devices and dtypes; for attention, the
+    attn_mask kinds it serves (a `causal` mask is a tensor) and, apart, whether it serves is_causal=True;
+    accuracy floor and speed gate."""
     e = spec.envelope
-    cap = f" sm>={e.min_capability[0]}{e.min_capability[1]}" if e.min_capability else ""
-    cap += " (below: emulated with allow_emulation)" if e.emulation else ""
-    heads = f" head_dims={list(e.head_dims)}" if e.head_dims else ""
-    calls = f" masks={list(e.masks)} causal={e.causal} gqa={e.gqa}" if spec.family == "attention_core" else ""
-    lines = [
-        f"{spec.name}  [{spec.family}, {spec.precision}]  {spec.description}",
-        f"    devices={list(e.devices)}{cap} dtypes={list(e.dtypes)}{heads}{calls}"
-        + (f" requires={list(e.requires)}" if e.requires else ""),
-        f"    accuracy: cos>={spec.accuracy.min_cosine} err<={spec.accuracy.max_rel_err}; "
-        f"speed: >={spec.latency.min_speedup}x {'per shape' if spec.latency.per_shape else 'per site'}",
-    ]
+    devices = ", ".join(_device_label(d, spec) for d in e.devices)
+    lines = [f"{spec.name}  [{spec.family}, {spec.precision}]  {spec.description}",
+             f"    devices: {devices}; dtypes: {', '.join(e.dtypes)}"
+             + (f"; requires: {', '.join(e.requires)}" if e.requires else "")]
+    if spec.family == "attention_core":
+        heads = (f"head dims {', '.join(map(str, e.head_dims))}" if e.head_dims
+                 else f"head dims up to {e.max_head_dim}" if e.max_head_dim else "any head dim")
+        seq = f"; sequence {e.min_seq}..{e.max_seq or 'any'}" if e.min_seq > 1 or e.max_seq else ""
+        served = {True: "served", False: "not served"}
+        lines.append(f"    attn_mask kinds: {', '.join(e.masks)}; is_causal=True: {served[e.causal]}; "
+                     f"GQA: {served[e.gqa]}; {heads}{seq}")
+    lines.append(f"    accuracy: cos>={spec.accuracy.min_cosine} err<={spec.accuracy.max_rel_err}; "
+                 f"speed: >={spec.latency.min_speedup}x {'per shape' if spec.latency.per_shape else 'per site'}")
     if spec.hub is not None:
         h = spec.hub
         lines.append(f"    hub: {h.describe()}, function {h.function}"
@@ -160,12 +257,12 @@ def _describe(spec: Spec) -> str:
     return "\n".join(lines)
 
 
-def _first(out: object) -> torch.Tensor:
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, (tuple, list)):
-        return _first(out[0])
-    return _first(getattr(out, "sample"))
+def _device_label(device: str, spec: Spec) -> str:
+    cap = spec.envelope.min_capability
+    if device != "cuda" or cap is None:
+        return device.upper()
+    emulated = " (below: emulated with allow_emulation=True)" if spec.envelope.emulation else ""
+    return f"CUDA sm>={cap[0]}{cap[1]}{emulated}"
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""Tiny randomly initialised diffusers transformers built from config, with example inputs: for the demo
-and the tests. Nothing is downloaded."""
+"""Tiny randomly initialised hosts with example inputs, for the demo and the tests: a TiRex-2 style grouped
+variate attention stack (torch only) and diffusers transformers built from config. Nothing is downloaded."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-MODELS = ("ltx2", "ltx", "wan", "flux", "legacy")
+MODELS = ("tirex", "ltx2", "ltx", "wan", "flux", "legacy")
+DIFFUSERS_MODELS = MODELS[1:]  # built with diffusers (pip install 'flash_catalog[diffusers]')
 
 
 @dataclass
@@ -25,13 +26,13 @@ class TinyHost:
 def build(name: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
           seed: int = 0, **options: Any) -> TinyHost:
     """Build tiny host `name` (one of MODELS). Options: ltx2 takes gated / perturbed (bool)."""
-    builders = {"ltx2": _ltx2, "ltx": _ltx, "wan": _wan, "flux": _flux, "legacy": _legacy}
+    builders = {"tirex": _tirex, "ltx2": _ltx2, "ltx": _ltx, "wan": _wan, "flux": _flux, "legacy": _legacy}
     if name not in builders:
         raise ValueError(f"unknown tiny model {name!r}; choose one of {', '.join(MODELS)}")
     torch.manual_seed(seed)
     model, make = builders[name](**options)
     model = model.to(device=device).eval()
-    if dtype != torch.float32:
+    if dtype != torch.float32 and name in DIFFUSERS_MODELS:
         from diffusers.utils import logging as diffusers_logging
 
         level = diffusers_logging.get_verbosity()
@@ -40,6 +41,8 @@ def build(name: str, device: str | torch.device = "cpu", dtype: torch.dtype = to
             model = model.to(dtype=dtype)
         finally:
             diffusers_logging.set_verbosity(level)
+    elif dtype != torch.float32:
+        model = model.to(dtype=dtype)
     gen = torch.Generator().manual_seed(seed + 1)
 
     def make_inputs(size: int = 1) -> dict[str, Any]:
@@ -48,6 +51,20 @@ def build(name: str, device: str | torch.device = "cpu", dtype: torch.dtype = to
                 for k, v in make(size, gen).items()}
 
     return TinyHost(name, model, make_inputs)
+
+
+def _tirex():
+    """TiRex-2 style variate attention: 32 series of 16 variates (per size step) at 4 patch positions, 2 layers.
+    The host attends densely over all 512 variates under a block-diagonal mask; each series needs 16."""
+    from .grouped_variates import VariateMixer, variate_mask
+
+    model = VariateMixer(dim=32, layers=2)
+
+    def make(size: int, g: torch.Generator) -> dict[str, Any]:
+        sizes = [16] * (32 * size)
+        return {"x": torch.randn(4, sum(sizes), 32, generator=g), "mask": variate_mask(sizes)}
+
+    return model, make
 
 
 def _ltx2(gated: bool = True, perturbed: bool = True):

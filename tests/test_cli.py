@@ -1,40 +1,142 @@
-"""The console script: demo end to end on the CPU, spec listing and linting with their exit codes."""
+"""The console script: the demo end to end on the CPU, argument errors before any model is built, and the spec
+tools (list, check, usable) with their exit codes and JSON."""
 
 import json
+import re
 
+import pytest
+
+from flash_catalog import tiny_hosts
 from flash_catalog.cli import main
 
 
-def test_demo_runs_and_verifies_the_restore(capsys, tmp_path):
-    receipt = tmp_path / "receipt.json"
-    assert main(["demo", "--model", "wan", "--json", str(receipt)]) == 0
+def test_demo_default_host_binds_a_grouped_form_and_prints_its_timing(capsys):
+    assert main(["demo", "--runs", "2"]) == 0
     out = capsys.readouterr().out
-    assert "host: tiny wan" in out
-    assert "blocks.0.attn2#1" in out
+    assert "host: tiny tirex" in out
+    assert re.search(r"attns\.0#0 .* bound +grouped_batch", out), out
+    timing = re.search(r"timing \(a CPU demo figure: a tiny model's forward, median of 2 runs each, host and "
+                       r"attached alternating\): host ([\d.]+) ms, attached ([\d.]+) ms -> ([\d.]+)x", out)
+    assert timing, out
+    host_ms, attached_ms, ratio = map(float, timing.groups())
+    assert host_ms > 0 and attached_ms > 0 and ratio == pytest.approx(host_ms / attached_ms, rel=0.02, abs=0.01)
+    assert "detach: host restored bit-exactly (outputs and state_dict equal)" in out
+
+
+def test_demo_on_a_diffusers_host_writes_the_receipt(capsys, tmp_path):
+    receipt = tmp_path / "receipt.json"
+    assert main(["demo", "--model", "wan", "--runs", "1", "--json", str(receipt)]) == 0
+    out = capsys.readouterr().out
+    assert "host: tiny wan" in out and "blocks.0.attn2#1" in out and "timing (a CPU demo figure" in out
     assert "detach: host restored bit-exactly (outputs and state_dict equal)" in out
     data = json.loads(receipt.read_text())
     assert len(data["sites"]) == 6 and data["environment"]["device"] == "cpu"
 
 
-def test_demo_unknown_form_is_an_error(capsys):
-    assert main(["demo", "--model", "flux", "--forms", "nope"]) == 2
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "bert"], "argument --model: invalid choice: 'bert' (choose from "),
+    (["--forms", "sdpa_dense,nope"], "argument --forms: unknown attention_core form(s) 'nope'; choose from "
+                                     "flex_blocksparse, grouped_batch"),
+    (["--ffn-forms", "int3"], "argument --ffn-forms: unknown vision_ffn form(s) 'int3'; choose from int8_rowwise"),
+    (["--forms", "fp8_rowwise"], "argument --forms: unknown attention_core form(s) 'fp8_rowwise'"),
+    (["--profile", "fast"], "argument --profile: unknown profile 'fast'; choose from fp8_accurate, fp8_balance"),
+    (["--min-speedup", "-1"], "argument --min-speedup: invalid value '-1'; allowed: a number >= 0.0"),
+    (["--min-speedup", "nan"], "argument --min-speedup: invalid value 'nan'; allowed: a number >= 0.0"),
+    (["--runs", "0"], "argument --runs: invalid value '0'; allowed: an integer from 1 to 1000"),
+    (["--runs", "two"], "argument --runs: invalid value 'two'; allowed: an integer from 1 to 1000"),
+    (["--device", "gpu"], "argument --device: invalid device 'gpu'; choose from cpu, cuda, cuda:N"),
+    (["--device", "cuda"], "argument --device: 'cuda' asked for, but torch sees no CUDA device; use --device cpu"),
+    (["--json", "/no/such/folder/r.json"], "argument --json: no folder '/no/such/folder' to write 'r.json' into"),
+])
+def test_demo_arguments_are_checked_before_any_model_is_built(capsys, monkeypatch, argv, message):
+    def no_build(*args, **kwargs):
+        raise AssertionError("a model was built before the arguments were checked")
+
+    monkeypatch.setattr(tiny_hosts, "build", no_build)
+    with pytest.raises(SystemExit) as exit_:
+        main(["demo", *argv])
+    assert exit_.value.code == 2
     err = capsys.readouterr().err
-    assert "unknown attention_core form(s) 'nope'; known: flex_blocksparse, grouped_batch" in err
-    assert "sdpa_dense" in err
+    assert err.startswith("usage: flash-catalog demo") and message in err, err
 
 
-def test_specs_list_and_check(capsys, tmp_path):
+def test_demo_help_names_the_default_host(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["demo", "--help"])
+    assert exit_.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "host: tirex (grouped variate attention, torch only; default)" in out
+    assert "timed runs of the host and of the attached model, alternating (default: 7)" in out
+
+
+def test_specs_list_labels_devices_masks_and_is_causal(capsys):
     assert main(["specs", "list"]) == 0
     out = capsys.readouterr().out
-    assert "sdpa_dense  [attention_core, native]" in out and "masks=['none', 'all_pass']" in out
-    ffn = out.split("fp8_rowwise  [vision_ffn, fp8]")[1].split("\n")[1]  # the envelope line of an FFN spec
-    assert "devices=['cpu', 'cuda']" in ffn and "masks=" not in ffn and "causal=" not in ffn
-    assert main(["specs", "check"]) == 0
-    assert "0 bad" in capsys.readouterr().out
+    sdpa = out.split("sdpa_dense  [attention_core, native]")[1].split("\n")[1:3]
+    assert sdpa[0].strip() == "devices: CPU, CUDA; dtypes: float16, bfloat16, float32; requires: torch>=2.5"
+    assert sdpa[1].strip() == ("attn_mask kinds: none, all_pass; is_causal=True: served; GQA: served; any head dim")
+    flex = out.split("flex_blocksparse  [attention_core, native]")[1].split("\n")[2]
+    assert "attn_mask kinds: key_padding, block_diagonal, causal, sliding_window; is_causal=True: not served" in flex
+    assert "devices: CUDA sm>=89; dtypes: float16, bfloat16" in out.split("sage2_fp8  [")[1]
+    assert "devices: CUDA sm>=100 (below: emulated with allow_emulation=True)" in out.split("nvfp4_attention  [")[1]
+    ffn = out.split("fp8_rowwise  [vision_ffn, fp8]")[1].split("\n")[1:3]
+    assert ffn[0].strip().startswith("devices: CPU, CUDA sm>=89;") and ffn[1].strip().startswith("accuracy:")
 
-    bad = tmp_path / "bad.toml"
-    bad.write_text('name = "x"\nfamily = "attention_core"\nimplementation = "a.b:C"\nprecision = "fp7"\n')
-    assert main(["specs", "check", str(bad)]) == 1
+    assert main(["specs", "list", "--json"]) == 0
+    specs = {s["name"]: s for s in json.loads(capsys.readouterr().out)}
+    assert specs["sage2_fp8"]["envelope"]["min_capability"] == [8, 9]
+    assert specs["sdpa_dense"]["path"].endswith("specs/attention_core/sdpa_dense.toml")
+
+
+def test_specs_check_the_shipped_catalog_and_profiles(capsys):
+    assert main(["specs", "check"]) == 0
     out = capsys.readouterr().out
-    assert f"{bad}: field 'precision' is 'fp7'; allowed: native, int8, fp8, fp4" in out
-    assert "1 spec file(s), 1 bad" in out
+    assert re.search(r"ok    \S+sdpa_dense\.toml: sdpa_dense \(attention_core, native\)", out)
+    assert re.search(r"ok    \S+profiles/fp8_balance\.toml: profile fp8_balance \(fp8_rowwise\)", out)
+    assert out.rstrip().endswith("11 spec file(s) and 7 profile file(s), 0 bad")
+
+
+def test_specs_check_reports_every_problem_with_exit_1_and_json(capsys, tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('name = "x"\nfamily = "attention_core"\nimplementation = "a.b:C"\nprecision = "fp7"\n'
+                   '[envelope]\ndevices = ["cpu"]\ndtypes = ["float32"]\nmin_seq = 64\nmax_seq = 16\n')
+    assert main(["specs", "check", str(bad)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [
+        f"error {bad}: field 'precision' is 'fp7'; allowed: native, int8, fp8, fp4",
+        f"error {bad}: field 'envelope.min_seq' is 64; allowed: at most envelope.max_seq (16)",
+        f"error {bad}: field 'accuracy' is missing; allowed: a table",
+        "1 spec file(s), 1 bad",
+    ]
+    assert main(["specs", "check", "--json", str(bad)]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["ok"] is False and data["bad"] == 1 and data["spec_files"] == 1
+    assert [p["field"] for p in data["files"][0]["problems"]] == ["precision", "envelope.min_seq", "accuracy"]
+    assert data["files"][0]["problems"][0]["path"] == str(bad)
+
+
+def test_specs_check_with_no_file_found(capsys, tmp_path):
+    assert main(["specs", "check", str(tmp_path)]) == 1
+    assert "no spec or profile files found" in capsys.readouterr().out
+
+
+def test_specs_usable_says_where_each_form_runs_and_why_not(capsys):
+    assert main(["specs", "usable"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("this machine: CPU only (torch ") or out.startswith("this machine: CPU and ")
+    assert re.search(r"usable  sdpa_dense +on cpu", out)
+    if "CPU only" in out:
+        assert re.search(r"no      sage2_fp8 +nowhere here  \(CPU: not in its envelope \(devices: CUDA\); "
+                         r"CUDA: torch sees no CUDA device\)", out)
+    assert main(["specs", "usable", "--json"]) == 0
+    forms = {f["form"]: f for f in json.loads(capsys.readouterr().out)["forms"]}
+    assert forms["sdpa_dense"]["usable"] and "cpu" in forms["sdpa_dense"]["devices"]
+
+
+def test_specs_list_of_a_bad_file_prints_every_problem(capsys, tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('name = "X"\nfamily = "attention_core"\n')
+    assert main(["specs", "list", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: 5 problem(s) in the spec files (flash-catalog specs check says more):")
+    assert f"{bad}: field 'name' is 'X'; allowed: lower_snake_case" in err

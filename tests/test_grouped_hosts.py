@@ -12,47 +12,9 @@ from torch import nn
 from torch.nn.functional import scaled_dot_product_attention as imported_sdpa
 
 from flash_catalog import attach, detach
+from flash_catalog.grouped_variates import VariateMixer, variate_mask
 
 SDPA = F.scaled_dot_product_attention
-
-
-class VariateAttention(nn.Module):
-    """TiRex-2 style: the batch axis is the patch position, the sequence holds the packed variates of many
-    series; each series attends only within itself and its covariates do not see its target."""
-
-    def __init__(self, dim: int = 32, heads: int = 4) -> None:
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.out = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        p, v, c = x.shape
-        q, k, val = self.qkv(x).view(p, v, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
-        out = F.scaled_dot_product_attention(q, k, val, attn_mask=mask)
-        return self.out(out.transpose(1, 2).reshape(p, v, c))
-
-
-class VariateMixer(nn.Module):
-    def __init__(self, dim: int = 32, layers: int = 2) -> None:
-        super().__init__()
-        self.norms = nn.ModuleList(nn.LayerNorm(dim) for _ in range(layers))
-        self.attns = nn.ModuleList(VariateAttention(dim) for _ in range(layers))
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        for norm, attn in zip(self.norms, self.attns):
-            x = x + attn(norm(x), mask)
-        return x
-
-
-def variate_mask(sizes: list[int]) -> torch.Tensor:
-    """Same series, and not (covariate row, target column); the first variate of a series is its target."""
-    gid = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
-    starts = torch.tensor([0] + sizes[:-1]).cumsum(0)
-    target = torch.zeros(sum(sizes), dtype=torch.bool)
-    target[starts] = True
-    same = gid[:, None] == gid[None, :]
-    return same & ~(~target[:, None] & target[None, :])
 
 
 def host_and_inputs(sizes: list[int], patches: int = 6, seed: int = 0, dim: int = 32):
