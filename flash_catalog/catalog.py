@@ -71,9 +71,6 @@ class Catalog:
         """This catalog plus the specs in `paths`; a name already in the catalog is a SpecError naming both files."""
         return Catalog(self.specs + _load_all(spec_files(paths)))
 
-    def names(self, family: str) -> list[str]:
-        return [s.name for s in self.family(family)]
-
     def family(self, family: str) -> list[Spec]:
         """The family's specs in the default order: precision first, then name."""
         return sorted((s for s in self.specs if s.family == family), key=lambda s: (s.precision_rank, s.name))

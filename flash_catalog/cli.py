@@ -62,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", metavar="PATH", type=Path, default=None, help="write the plan (the receipt) as JSON")
     demo.set_defaults(run=_run_demo(demo))
 
-    specs = sub.add_parser("specs", help="list, check or find the usable spec files",
+    specs = sub.add_parser("specs", help="list the catalog, check spec files, show the forms usable here",
                            description="Tools for catalog authors and users.")
     specs_sub = specs.add_subparsers(title="spec commands")
     lst = specs_sub.add_parser("list", help="print the catalog with envelopes",
