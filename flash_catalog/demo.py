@@ -46,9 +46,14 @@ class SideBySide:
         return self.host_median / self.attached_median
 
     def describe(self, device: torch.device) -> str:
+        """One line: what was timed, each side's median and range, and the ratio of the medians."""
+        def side(name: str, samples: tuple[float, ...]) -> str:
+            return (f"{name} {statistics.median(samples) * 1e3:.2f} ms (range {min(samples) * 1e3:.2f}-"
+                    f"{max(samples) * 1e3:.2f})")
+
         where = "a CPU demo figure" if device.type == "cpu" else f"a {device.type} demo figure"
-        return (f"timing ({where}: a tiny model's forward, median of {len(self.host_s)} runs each, host and attached "
-                f"alternating): host {self.host_median * 1e3:.2f} ms, attached {self.attached_median * 1e3:.2f} ms "
+        return (f"timing ({where}: a tiny model's forward, {len(self.host_s)} runs each, host and attached "
+                f"alternating; medians): {side('host', self.host_s)}, {side('attached', self.attached_s)} "
                 f"-> {self.speedup:.2f}x")
 
 

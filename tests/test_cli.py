@@ -15,8 +15,9 @@ def test_demo_default_host_binds_a_grouped_form_and_prints_its_timing(capsys):
     out = capsys.readouterr().out
     assert "host: tiny tirex" in out
     assert re.search(r"attns\.0#0 .* bound +grouped_batch", out), out
-    timing = re.search(r"timing \(a CPU demo figure: a tiny model's forward, median of 2 runs each, host and "
-                       r"attached alternating\): host ([\d.]+) ms, attached ([\d.]+) ms -> ([\d.]+)x", out)
+    timing = re.search(r"timing \(a CPU demo figure: a tiny model's forward, 2 runs each, host and attached "
+                       r"alternating; medians\): host ([\d.]+) ms \(range [\d.]+-[\d.]+\), attached ([\d.]+) ms "
+                       r"\(range [\d.]+-[\d.]+\) -> ([\d.]+)x", out)
     assert timing, out
     host_ms, attached_ms, ratio = map(float, timing.groups())
     assert host_ms > 0 and attached_ms > 0 and ratio == pytest.approx(host_ms / attached_ms, rel=0.02, abs=0.01)
