@@ -398,7 +398,7 @@ class _Reader:
 
     def hub_source(self, dotted: str) -> HubSource | None:
         table = self.table(dotted)
-        if not table:
+        if dotted in self._failed_tables:
             return None
         if "trust_remote_code" in table:
             self.fail(f"{dotted}.trust_remote_code", table["trust_remote_code"],

@@ -201,3 +201,10 @@ def test_build_form_refuses_a_class_of_the_other_family(tmp_path):
                                         r"a vision_ffn form; allowed: a subclass of "
                                         r"flash_catalog.forms.base.AttentionForm \(family attention_core\)"):
         build_form(spec)
+
+
+def test_an_empty_hub_table_names_its_missing_fields(tmp_path):
+    text = GOOD.replace('implementation = "flash_catalog.forms.sdpa_dense:SdpaDense"\n', "") + "[hub]\n"
+    with pytest.raises(SpecError) as err:
+        load_spec(write(tmp_path, text))
+    assert [p.field for p in err.value.problems] == ["hub.repo", "hub.function", "hub.version"]
