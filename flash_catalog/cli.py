@@ -184,11 +184,15 @@ def _demo_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
 def _load(args: argparse.Namespace) -> Catalog | None:
     """The catalog the command reads, or None after printing every problem (exit 1)."""
     try:
-        return Catalog.load(args.paths or None, extend=args.extend)
+        catalog = Catalog.load(args.paths or None, extend=args.extend)
     except SpecError as exc:
         print(f"error: {len(exc.problems)} problem(s) in the spec files (flash-catalog specs check says more):\n"
               f"{exc}", file=sys.stderr)
         return None
+    if not catalog.specs:
+        print(f"error: no spec files in {', '.join(map(str, args.paths))}", file=sys.stderr)
+        return None
+    return catalog
 
 
 def _run_list(args: argparse.Namespace) -> int:

@@ -116,9 +116,12 @@ def test_specs_check_reports_every_problem_with_exit_1_and_json(capsys, tmp_path
     assert data["files"][0]["problems"][0]["path"] == str(bad)
 
 
-def test_specs_check_with_no_file_found(capsys, tmp_path):
+def test_specs_commands_with_no_file_found(capsys, tmp_path):
     assert main(["specs", "check", str(tmp_path)]) == 1
     assert "no spec or profile files found" in capsys.readouterr().out
+    for command in ("list", "usable"):
+        assert main(["specs", command, str(tmp_path)]) == 1
+        assert capsys.readouterr().err == f"error: no spec files in {tmp_path}\n"
 
 
 def test_specs_usable_says_where_each_form_runs_and_why_not(capsys):
