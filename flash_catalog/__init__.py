@@ -4,8 +4,8 @@ from .binder import AttachError, attach, attached, default_catalog, detach, rese
 from .catalog import Catalog
 from .forms.unavailable import KernelUnavailable
 from .plan import Basis, Plan, ReceiptError, ReceiptUse, ShapeRecord, SiteRecord
-from .specs import Spec, SpecError, load_spec
+from .specs import Spec, SpecError, SpecProblem, load_spec
 
 __all__ = ["attach", "attached", "detach", "AttachError", "Catalog", "KernelUnavailable", "Plan", "SiteRecord",
-           "ShapeRecord", "Basis", "ReceiptError", "ReceiptUse", "Spec", "SpecError", "load_spec", "default_catalog",
-           "reset_default_catalog"]
+           "ShapeRecord", "Basis", "ReceiptError", "ReceiptUse", "Spec", "SpecError", "SpecProblem", "load_spec",
+           "default_catalog", "reset_default_catalog"]
