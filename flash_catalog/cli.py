@@ -12,11 +12,14 @@ import math
 import re
 import sys
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from .catalog import Catalog
 from .specs import Spec, SpecError
 from .tiny_hosts import DIFFUSERS_MODELS, MODELS
+
+if TYPE_CHECKING:
+    from .demo import DemoOptions
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -86,8 +89,15 @@ def _parser() -> argparse.ArgumentParser:
                     "import). What a form's own rules refuse shows only at attach, per call.")
     _catalog_arguments(usable)
     usable.set_defaults(run=_run_usable)
-    specs.set_defaults(run=lambda a: (specs.print_help(), 2)[1])
+    specs.set_defaults(run=_print_help(specs))
     return parser
+
+
+def _print_help(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        parser.print_help()
+        return 2
+    return run
 
 
 def _catalog_arguments(cmd: argparse.ArgumentParser, default: str = "the shipped catalog") -> None:
@@ -141,7 +151,7 @@ def _run_demo(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace],
     return run
 
 
-def _demo_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Any:
+def _demo_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> DemoOptions:
     """Check what the parser could not (catalog names, the device, installed packages, the receipt's folder),
     before any model is built: `parser.error` (exit 2) names the bad value and the choices."""
     if args.model in DIFFUSERS_MODELS and importlib.util.find_spec("diffusers") is None:

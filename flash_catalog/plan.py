@@ -259,7 +259,7 @@ class Plan:
         if mem["host_bytes"]:
             footer.append(f"bound feed-forward weights on the device: {_size(mem['host_bytes'])} (host) -> "
                           f"{_size(mem['form_bytes'])} (forms), {mem['delta_bytes'] / mem['host_bytes']:+.1%}")
-        if mem["staging_bytes"]:
+        if mem["staging_bytes"] and self.staging is not None:
             footer.append(f"staging shared by the bound attention sites: {_size(mem['staging_bytes'])} in "
                           f"{len(self.staging)} buffers (held by the attach, released on detach)")
         if self.timings is not None:
