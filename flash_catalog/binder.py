@@ -20,6 +20,7 @@ from .adapters.patches import GlobalPatch
 from .adapters.router import AttentionRouter
 from .adapters.routes import RouteTable
 from .adapters.swap import state_of
+from .agreement import Agreement
 from .calibration import Calibration, Progress
 from .catalog import Catalog, build_form
 from .decide import GateOptions
@@ -88,7 +89,8 @@ def attach(model: nn.Module | Any, example: Example, *, attention_forms: Sequenc
     attention_names, ffn_names, projections = _resolve_profile(profile, attention_forms, ffn_forms, projections)
     specs = catalog.select("attention_core", attention_names)
     ffn_specs = catalog.select("vision_ffn", ffn_names)
-    options = GateOptions(min_speedup, min_cosine, max_rel_err, timing_rounds)
+    agreement = Agreement.of(host)  # context parallelism: every rank decides from the figures of all
+    options = GateOptions(min_speedup, min_cosine, max_rel_err, timing_rounds, agreement)
     _check_options(options)
     trust_remote_code = _check_trust(trust_remote_code)
     run_example = _example_runner(model, example)
@@ -99,6 +101,7 @@ def attach(model: nn.Module | Any, example: Example, *, attention_forms: Sequenc
     staging = StagingPool()  # scratch shared by every site of this attach; detach releases it
     for form in forms:
         form.staging = staging
+        form.agreement = agreement
     ffn_forms_built = [_ffn_form(s, allow_emulation) for s in ffn_specs]
     adapter = pick_adapter(host)
     modules = _filter_sites(adapter.find_sites(host), sites)
@@ -133,6 +136,7 @@ def attach(model: nn.Module | Any, example: Example, *, attention_forms: Sequenc
         binding_started = time.perf_counter()
         records = _attention_records(adapter, host, modules, installation, calibration)
         records += _ffn_records(ffn_sites, calibration)
+        agreement.check([r.to_dict() for r in records])
         bound_ffn = [s for s in ffn_sites if s.replacement is not None]
         for site in ffn_sites:
             if site.replacement is None:
@@ -179,6 +183,7 @@ def attach(model: nn.Module | Any, example: Example, *, attention_forms: Sequenc
         routes=routes,
         timings=timings,
         receipt=saved.use if saved is not None else None,
+        parallel=agreement.record,
     )
 
 
@@ -224,7 +229,11 @@ def _installation(adapter, router: AttentionRouter, modules: dict[str, nn.Module
     patches = []
     for t in adapter.targets(modules):
         original = _current(t.namespace, t.name)
-        stand_in = router.framing(original) if t.kind == "frame" else router.replacement(original, t.signature)
+        if t.kind == "parallel":
+            stand_in = router.parallel_serving(original)
+            router.serves_parallel = True
+        else:
+            stand_in = router.framing(original) if t.kind == "frame" else router.replacement(original, t.signature)
         patches.append(GlobalPatch(t.namespace, t.name, original, stand_in))
     return Installation(router, patches, modules, hooks=adapter.hooks)
 

@@ -27,14 +27,15 @@ class StaticKey(NamedTuple):
     is_causal: bool
     scale: float | None
     enable_gqa: bool
+    return_lse: bool = False  # a ring step: the output and its log-sum-exp
 
     @classmethod
     def of(cls, layout: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-           is_causal: bool, scale: float | None, enable_gqa: bool) -> StaticKey:
+           is_causal: bool, scale: float | None, enable_gqa: bool, return_lse: bool = False) -> StaticKey:
         """The key of a call's tensors as the host passed them (its own layout): metadata only, safe to trace."""
         return cls(layout, tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, q.device,
                    tuple(mask.shape) if mask is not None else None, mask.dtype if mask is not None else None,
-                   bool(is_causal), scale, bool(enable_gqa))
+                   bool(is_causal), scale, bool(enable_gqa), bool(return_lse))
 
 
 class ShapeKey(NamedTuple):
@@ -53,6 +54,7 @@ class ShapeKey(NamedTuple):
     is_causal: bool
     scale: float | None
     enable_gqa: bool
+    return_lse: bool = False
 
     def describe(self) -> str:
         text = f"q={dims(self.q)} k={dims(self.k)} {self.dtype}"
@@ -60,6 +62,8 @@ class ShapeKey(NamedTuple):
             text += f" mask={self.mask_kind}{dims(self.mask_shape or ())}"
         if self.is_causal:
             text += " causal"
+        if self.return_lse:
+            text += " +lse"
         return text
 
     def fields(self) -> dict[str, Any]:
@@ -73,6 +77,9 @@ class ShapeKey(NamedTuple):
 
 
 _UNSTRUCTURED = ("none", "all_pass", "arbitrary")
+
+Output = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+"""An attention result: the output, or (output, log-sum-exp) for a call that asks for it."""
 
 
 def dims(shape: tuple[int, ...] | torch.Size) -> str:
@@ -91,6 +98,8 @@ class AttentionCall:
 
     `layout` is the host's own ("bshd" for diffusers' dispatch, "bhsd" for torch SDPA). `static` holds every
     non-tensor argument, with which a route calls the host's function where its guard sends a call back.
+    `return_lse`: the host returns (output, log-sum-exp), as a ring-attention step does; a runner then returns the
+    log-sum-exp (B, H, Sq) in float32 next to the output.
     """
 
     query: torch.Tensor
@@ -104,6 +113,7 @@ class AttentionCall:
     layout: str
     mask: MaskInfo
     static: tuple[tuple[str, Any], ...] = ()  # every non-tensor argument as the host received it
+    return_lse: bool = False
 
     @property
     def mask_kind(self) -> str:
@@ -121,12 +131,16 @@ class AttentionCall:
         shape = tuple(t.shape)
         return (shape[0], shape[2], shape[1], shape[3]) if self.layout == "bshd" else shape
 
-    def to_host_layout(self, out: torch.Tensor) -> torch.Tensor:
+    def to_host_layout(self, out: Output) -> Output:
+        """A runner's result in the host's layout: (B, S, H, D) and a log-sum-exp (B, S, H) for "bshd"."""
+        if isinstance(out, tuple):
+            return tuple(t.transpose(1, 2) if self.layout == "bshd" else t for t in out)
         return out.transpose(1, 2) if self.layout == "bshd" else out
 
     def static_key(self) -> StaticKey:
         q, k, v = (self.to_host_layout(t) for t in (self.query, self.key, self.value))
-        return StaticKey.of(self.layout, q, k, v, self.attn_mask, self.is_causal, self.scale, self.enable_gqa)
+        return StaticKey.of(self.layout, q, k, v, self.attn_mask, self.is_causal, self.scale, self.enable_gqa,
+                            self.return_lse)
 
     def shape_key(self) -> ShapeKey:
         m = self.attn_mask
@@ -144,4 +158,5 @@ class AttentionCall:
             is_causal=self.is_causal,
             scale=self.scale,
             enable_gqa=self.enable_gqa,
+            return_lse=self.return_lse,
         )

@@ -259,7 +259,7 @@ def describe(spec: Spec) -> str:
         seq = f"; sequence {e.min_seq}..{e.max_seq or 'any'}" if e.min_seq > 1 or e.max_seq else ""
         served = {True: "served", False: "not served"}
         lines.append(f"    attn_mask kinds: {', '.join(e.masks)}; is_causal=True: {served[e.causal]}; "
-                     f"GQA: {served[e.gqa]}; {heads}{seq}")
+                     f"GQA: {served[e.gqa]}; log-sum-exp (ring steps): {served[e.returns_lse]}; {heads}{seq}")
     lines.append(f"    accuracy: cos>={spec.accuracy.min_cosine} err<={spec.accuracy.max_rel_err}; "
                  f"speed: >={spec.latency.min_speedup}x {'per shape' if spec.latency.per_shape else 'per site'}")
     if spec.hub is not None:

@@ -10,6 +10,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import receipts
+from .agreement import LOCAL, Agreement
 from .gate import Accuracy, SpeedVerdict, Timing, measure_accuracy, paired_speedup
 from .layout import stride_order
 from .plan import ShapeRecord
@@ -22,6 +23,7 @@ class GateOptions:
     min_cosine: float | None = None
     max_rel_err: float | None = None
     rounds: int | None = None  # None: 9 (on CUDA in settled blocks, gate.SETTLE_S); more while undecided
+    agreement: Agreement = field(default=LOCAL, compare=False)  # ranks whose figures are combined (agreement.py)
 
     def floor(self, spec: Spec) -> AccuracyFloor:
         return AccuracyFloor(
@@ -235,19 +237,25 @@ def _measure(trial: Trial, contender: Contender, host_out: torch.Tensor, options
     if known is not None and not clears(known[0], options.speedup_needed(contender.spec)):
         return Measured(contender, None, None, *known, ())  # speed is per shape: no run can change the verdict
     started = time.perf_counter()
+    failure: Exception | None = None
     try:
         built = contender.build()
         with torch.no_grad():
             out = built.run()
     except Exception as exc:  # a form that cannot build or run here is refused, never fatal
-        record.trail.append(receipts.failed(contender.name, exc, trial.shape))
+        failure = exc
+    if failure is None:
+        if trial.device.type == "cuda":
+            torch.cuda.synchronize(trial.device)
+        clock.first_use(contender.name, time.perf_counter() - started)
+        layout = stride_order(out[0] if isinstance(out, tuple) else out)
+        local = measure_accuracy(out, host_out)
+        del out
+    accuracy = options.agreement.accuracy(local if failure is None else None)  # every rank's figures combined
+    if accuracy is None:
+        record.trail.append(receipts.failed(contender.name, failure or RuntimeError("failed on another rank"),
+                                            trial.shape))
         return None
-    if trial.device.type == "cuda":
-        torch.cuda.synchronize(trial.device)
-    clock.first_use(contender.name, time.perf_counter() - started)
-    accuracy = measure_accuracy(out, host_out)
-    layout = stride_order(out)
-    del out
     floor = options.floor(contender.spec)
     if not accuracy.passes(floor):
         record.trail.append(receipts.below_floor(contender.name, accuracy, floor, trial.shape))
@@ -255,8 +263,9 @@ def _measure(trial: Trial, contender: Contender, host_out: torch.Tensor, options
 
     def measure() -> Timing:
         with torch.no_grad():
-            return paired_speedup(trial.host, built.run, trial.device, rounds=options.rounds_for(trial.device),
-                                  need=options.speedup_needed(contender.spec))
+            return options.agreement.timing(paired_speedup(trial.host, built.run, trial.device,
+                                                           rounds=options.rounds_for(trial.device),
+                                                           need=options.speedup_needed(contender.spec)))
 
     timing, timed_at = timings.timed(contender.timing_key, trial.site, measure)
     return Measured(contender, built, accuracy, timing, timed_at, layout)

@@ -32,9 +32,16 @@ ACCURACY_CHUNK = 1 << 24
 so the check's scratch stays near 0.5 GB instead of growing with the output."""
 
 
-def measure_accuracy(out: torch.Tensor, ref: torch.Tensor) -> Accuracy:
+def measure_accuracy(out: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+                     ref: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> Accuracy:
     """Cosine and ‖out − ref‖∞ / ‖ref‖∞ accumulated in float64; non-finite values where the host has none fail.
-    Tensor ops only until the one read at the end (no sync per slice); one fused pass where Triton serves."""
+    Tensor ops only until the one read at the end (no sync per slice); one fused pass where Triton serves.
+
+    For (output, log-sum-exp) pairs (ring-attention steps) the output is compared as the ring merge weighs it:
+    out · exp(lse − lse_ref) against ref, so an error in the log-sum-exp counts as the error it makes."""
+    if isinstance(out, tuple):
+        (o, lse), (ref, ref_lse) = out, ref
+        out = o.float() * torch.exp(lse.float() - ref_lse.float()).unsqueeze(-1)
     a_all, b_all = out.detach().reshape(-1), ref.detach().reshape(-1)
     if a_all.shape != b_all.shape:
         raise ValueError(f"form output has {a_all.numel()} elements, the host's {b_all.numel()}")

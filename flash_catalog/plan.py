@@ -8,6 +8,7 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from .agreement import ParallelRecord
 from .gate import Timing
 from .kernels.staging import StagingPool
 
@@ -153,6 +154,8 @@ class Plan:
     timings: AttachTimings | None = None
     receipt: ReceiptUse | None = None  # the receipt this attach reused decisions from, if any
     source: str | None = None  # the file a loaded plan (`Plan.load`) was read from
+    parallel: ParallelRecord | None = None
+    """Under context parallelism: the world size, the degrees and the ranks whose figures every decision combined."""
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
@@ -176,12 +179,13 @@ class Plan:
             raise ReceiptError(f"{source}: receipt has {found}; this flash_catalog reads schema {SCHEMA}: attach "
                                f"again without plan= and save a new receipt")
         try:
-            timings, receipt = data["timings"], data["receipt"]
+            timings, receipt, parallel = data["timings"], data["receipt"], data.get("parallel")
             fallbacks, routed = dict(data["fallbacks"]), dict(data["routed"])
             return cls(sites=[SiteRecord.from_dict(s) for s in data["sites"]], environment=dict(data["environment"]),
                        options=dict(data["options"]), _fallbacks=lambda: fallbacks, _routed=lambda: routed,
                        detached=True, timings=AttachTimings(**timings) if timings is not None else None,
-                       receipt=ReceiptUse(**receipt) if receipt is not None else None, source=source)
+                       receipt=ReceiptUse(**receipt) if receipt is not None else None, source=source,
+                       parallel=ParallelRecord.from_dict(parallel) if parallel is not None else None)
         except (KeyError, TypeError, ValueError) as exc:
             raise ReceiptError(f"{source}: malformed plan receipt ({type(exc).__name__}: {exc})") from exc
 
@@ -224,6 +228,7 @@ class Plan:
                 "memory": self.memory(), "timings": asdict(self.timings) if self.timings is not None else None,
                 "receipt": asdict(self.receipt) if self.receipt is not None else None,
                 "fallbacks": self.fallbacks, "routed": self.routed, "detached": self.detached,
+                "parallel": self.parallel.to_dict() if self.parallel is not None else None,
                 "sites": [s.to_dict() for s in self.sites]}
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -264,6 +269,11 @@ class Plan:
                           f"{len(self.staging)} buffers (held by the attach, released on detach)")
         if self.timings is not None:
             footer.append(self.timings.describe())
+        if self.parallel is not None:
+            p = self.parallel
+            footer.append(f"context parallel: world size {p.world_size} (ring {p.ring_degree}, ulysses "
+                          f"{p.ulysses_degree}); every decision combined the figures of ranks "
+                          f"{', '.join(map(str, p.decided_by))}")
         return "\n".join(lines + footer)
 
 

@@ -54,6 +54,8 @@ def envelope_rule(env: Envelope, call: AttentionCall, emulate: bool = False) -> 
         return "is_causal not supported"
     if call.gqa and not env.gqa:
         return f"GQA ({call.query.shape[1]} query heads over {call.key.shape[1]} kv heads) not supported"
+    if call.return_lse and not env.returns_lse:
+        return "the call needs the log-sum-exp (a ring-attention step); the form does not return it"
     return None
 
 

@@ -73,6 +73,7 @@ class Envelope:
     gqa: bool = False
     requires: tuple[str, ...] = ()
     emulation: bool = False      # the form can emulate below min_capability when the caller allows emulation
+    returns_lse: bool = False    # the form can return the log-sum-exp next to the output (ring-attention steps)
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,8 @@ def read_toml(path: Path) -> dict[str, Any]:
 TOP_KEYS = ("name", "family", "implementation", "hub", "precision", "description", "envelope", "accuracy",
             "latency")
 ENVELOPE_KEYS = ("devices", "dtypes", "min_capability", "emulation", "requires")
-ATTENTION_ENVELOPE_KEYS = ("head_dims", "max_head_dim", "min_seq", "max_seq", "masks", "causal", "gqa")
+ATTENTION_ENVELOPE_KEYS = ("head_dims", "max_head_dim", "min_seq", "max_seq", "masks", "causal", "gqa",
+                           "returns_lse")
 PROFILE_KEYS = ("attention_forms", "ffn_forms", "projections")
 PRECISION_CAPABILITY = {"fp8": (8, 9), "fp4": (10, 0)}  # the CUDA capability a precision's tensor cores need
 BF16_CAPABILITY = (8, 0)
@@ -227,6 +229,7 @@ def _envelope(r: _Reader, family: str | None, precision: str | None, hub: bool) 
         gqa=r.boolean("envelope.gqa", default=False),
         requires=r.requirements("envelope.requires"),
         emulation=r.boolean("envelope.emulation", default=False),
+        returns_lse=r.boolean("envelope.returns_lse", default=False),
     )
     if hub:
         for mask in envelope.masks or ():

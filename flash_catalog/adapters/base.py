@@ -18,6 +18,8 @@ class RouteTarget:
     kind "route": the host's attention function (replaced by the router's dispatch, with `signature`).
     kind "frame": an attention interface that receives the attention module as its first argument; it is
     wrapped to open that module's site frame, so no module hooks are needed.
+    kind "parallel": diffusers' context-parallel attention, wrapped so that the router serves the per-rank forward
+    ops it calls.
     """
 
     namespace: dict[str, Any] | ModuleType

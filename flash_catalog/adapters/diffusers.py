@@ -4,6 +4,10 @@ Each transformer module imported `dispatch_attention_fn` by name, so the router 
 processor's own module globals; legacy `AttnProcessor2_0` calls `F.scaled_dot_product_attention`, so the
 attribute on `torch.nn.functional` is replaced. Processors themselves are never touched, so no keyword
 argument a processor declares is lost.
+
+Under context parallelism (`enable_parallelism` before `attach`), diffusers' `_templated_context_parallel_attention`
+is wrapped too, in `attention_dispatch`'s own globals, where every context-parallel backend looks it up: the router
+serves the per-rank forward ops it calls (router.py).
 """
 
 from __future__ import annotations
@@ -47,4 +51,15 @@ class DiffusersAdapter:
                 else:
                     found.setdefault((id(F), "scaled_dot_product_attention"),
                                      RouteTarget(F, "scaled_dot_product_attention", SDPA_SIGNATURE))
+        if any(_context_parallel(m) for m in modules.values()):
+            from diffusers.models import attention_dispatch
+
+            found[(id(attention_dispatch), "templated")] = RouteTarget(
+                vars(attention_dispatch), "_templated_context_parallel_attention", None, kind="parallel")
         return list(found.values())
+
+
+def _context_parallel(module: nn.Module) -> bool:
+    """The module's processor runs diffusers' context parallelism."""
+    config = getattr(getattr(module.processor, "_parallel_config", None), "context_parallel_config", None)
+    return config is not None

@@ -8,11 +8,17 @@ router is already serving, go straight to the original.
 Routing is written for torch.compile: it reads only what dynamo guards on by itself (the slot through the module,
 shapes, dtypes, devices, static arguments), keys nothing by id, and counts calls only when not compiling. A bound
 call becomes one opaque custom op (`routes.attention_op`); anything the plan did not qualify runs the original.
+
+Under diffusers' context parallelism a call carries a `parallel_config`: the router lets diffusers run it (the
+all-to-all, the mask all-gather, the ring's log-sum-exp merge) and serves the backend's per-rank forward op instead,
+at the same site and ordinal (`dispatch_local`): after Ulysses' all-to-all a full-sequence call over H/N heads, in
+ring attention each step's call, which returns the log-sum-exp.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
@@ -41,6 +47,7 @@ class CallSignature:
     positional: tuple[str, ...]
     defaults: tuple[tuple[str, Any], ...]
     host_only: tuple[str, ...] = ()
+    parallel: bool = False  # it takes diffusers' `parallel_config`
 
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         if len(args) > len(self.positional):
@@ -69,7 +76,17 @@ DISPATCH_SIGNATURE = CallSignature(
     defaults=(("attn_mask", None), ("dropout_p", 0.0), ("is_causal", False), ("scale", None),
               ("enable_gqa", False), ("attention_kwargs", None), ("backend", None), ("parallel_config", None)),
     host_only=("attention_kwargs", "backend", "parallel_config"),
+    parallel=True,
 )
+
+LOCAL_SIGNATURE = CallSignature(
+    layout="bshd",
+    positional=("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa", "return_lse"),
+    defaults=(("attn_mask", None), ("dropout_p", 0.0), ("is_causal", False), ("scale", None),
+              ("enable_gqa", False), ("return_lse", False)),
+)
+"""A context-parallel backend's per-rank forward op, less its autograd context and diffusers' plumbing
+(`LocalHost`): (B, S, H, D) tensors; `return_lse` asks for (output, log-sum-exp (B, S, H))."""
 
 
 @dataclass(eq=False)
@@ -98,6 +115,22 @@ class Frame:
     slot: SiteSlot
     ordinal: int = 0
     busy: bool = False
+    local: int | None = None  # the ordinal of the context-parallel call whose per-rank forward ops run now
+
+
+@dataclass(frozen=True, eq=False)
+class LocalHost:
+    """A context-parallel backend's forward op called as an attention function (`LOCAL_SIGNATURE`): no autograd
+    context saved (the router serves no call that needs gradients), the run's parallel config passed on."""
+
+    forward_op: Callable[..., Any]
+    parallel_config: Any
+
+    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
+                 scale: float | None = None, enable_gqa: bool = False, return_lse: bool = False) -> Any:
+        return self.forward_op(None, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                               return_lse, _save_ctx=False, _parallel_config=self.parallel_config)
 
 
 def _bound(sig: CallSignature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
@@ -113,15 +146,16 @@ def _bound(sig: CallSignature, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
         return None, f"inputs are {q.dim()}-D, not 4-D"
     if mask is not None and not isinstance(mask, torch.Tensor):
         return None, "attn_mask is not a tensor"
-    extra = set(a) - set(sig.positional) - {"backend", "parallel_config"}
+    extra = set(a) - set(sig.positional) - {name for name, _ in sig.defaults}
     if extra:
         return None, f"unknown arguments {sorted(extra)}"
     return a, ""
 
 
-def host_only_reason(sig: CallSignature, a: dict[str, Any]) -> str | None:
-    """Why only the host may serve these (well-formed) arguments, or None."""
-    set_args = sorted(name for name in sig.host_only if a.get(name))
+def host_only_reason(sig: CallSignature, a: dict[str, Any], served: tuple[str, ...] = ()) -> str | None:
+    """Why only the host may serve these (well-formed) arguments, or None (`served`: host-only arguments that the
+    caller handles)."""
+    set_args = sorted(name for name in sig.host_only if a.get(name) and name not in served)
     if set_args:
         return f"the host passes {', '.join(set_args)}"
     if a["dropout_p"]:
@@ -137,7 +171,21 @@ def static_key(sig: CallSignature, args: tuple[Any, ...], kwargs: dict[str, Any]
     if a is None or host_only_reason(sig, a) is not None:
         return None
     return StaticKey.of(sig.layout, a["query"], a["key"], a["value"], a["attn_mask"], a["is_causal"], a["scale"],
-                        a["enable_gqa"])
+                        a["enable_gqa"], a.get("return_lse", False))
+
+
+def context_parallel(sig: CallSignature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """The call runs diffusers' context parallelism and nothing else keeps it on the host: its per-rank forward ops
+    may be served (an explicit backend is served too: its forward op is the host the forms are gated against)."""
+    if not sig.parallel:
+        return False
+    a, _ = _bound(sig, args, kwargs)
+    if a is None:
+        return False
+    config = getattr(a["parallel_config"], "context_parallel_config", None)
+    if config is None or max(config.ring_degree, config.ulysses_degree) <= 1:
+        return False
+    return host_only_reason(sig, a, served=("backend", "parallel_config")) is None
 
 
 # (slot, ordinal, call or None, why only the host may serve it, the original function, args, kwargs) -> output
@@ -155,6 +203,8 @@ class AttentionRouter:
     stack: list[Frame] = field(default_factory=list)
     fallbacks: Counter[str] = field(default_factory=Counter)  # eager calls only: counting is not traced
     routed: Counter[str] = field(default_factory=Counter)
+    serves_parallel: bool = False  # diffusers' context-parallel attention is patched to serve its forward ops
+    _local_hosts: dict[tuple[int, int], LocalHost] = field(default_factory=dict)  # calibration only
 
     # -- frames, opened by the site modules (a class swap or a calibration hook) --------------------------------
     def enter(self, slot: SiteSlot) -> None:
@@ -192,6 +242,45 @@ class AttentionRouter:
         framed_attention.__wrapped__ = original  # type: ignore[attr-defined]
         return framed_attention
 
+    def parallel_serving(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """Wrap diffusers' `_templated_context_parallel_attention`: inside a site's context-parallel call its
+        backend's forward op is replaced by one that the router serves (`dispatch_local`)."""
+
+        def templated_attention(*args: Any, forward_op: Callable[..., Any], **kwargs: Any) -> Any:
+            frame = self.stack[-1] if self.stack else None
+            if frame is None or frame.local is None or self.mode is Mode.OFF:
+                return original(*args, forward_op=forward_op, **kwargs)
+
+            def served_forward_op(*op_args: Any, **op_kwargs: Any) -> Any:
+                return self.dispatch_local(frame, forward_op, op_args, op_kwargs)
+
+            return original(*args, forward_op=served_forward_op, **kwargs)
+
+        templated_attention.__wrapped__ = original  # type: ignore[attr-defined]
+        return templated_attention
+
+    def dispatch_local(self, frame: Frame, forward_op: Callable[..., Any], args: tuple[Any, ...],
+                       kwargs: dict[str, Any]) -> Any:
+        """One per-rank forward op call of a context-parallel call: served at the call's site and ordinal.
+        diffusers calls it as forward_op(ctx, query, key, value, ..., return_lse, _save_ctx=, _parallel_config=)."""
+        ctx, call_args = args[0], args[1:]
+        plumbing = {k: kwargs[k] for k in ("_save_ctx", "_parallel_config") if k in kwargs}
+        call_kwargs = {k: v for k, v in kwargs.items() if k not in plumbing}
+        exact = functools.partial(forward_op, ctx, **plumbing)  # the host's own call, autograd context included
+        if self.mode is Mode.CAPTURE and self.capture is not None:
+            call, problem = canonical(LOCAL_SIGNATURE, call_args, call_kwargs, self.masks)
+            host = self._local_host(forward_op, plumbing.get("_parallel_config"))
+            return self.capture(frame.slot, frame.local, call, problem, host, call_args, call_kwargs)
+        return self._route(frame.slot, frame.local, exact, LOCAL_SIGNATURE, call_args, call_kwargs)
+
+    def _local_host(self, forward_op: Callable[..., Any], parallel_config: Any) -> LocalHost:
+        """One LocalHost per (forward op, config): routes that run the same host share one handle."""
+        key = (id(forward_op), id(parallel_config))
+        host = self._local_hosts.get(key)
+        if host is None:
+            host = self._local_hosts[key] = LocalHost(forward_op, parallel_config)
+        return host
+
     def dispatch(self, original: Callable[..., torch.Tensor], sig: CallSignature,
                  args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         frame = self.stack[-1] if self.stack else None
@@ -201,6 +290,12 @@ class AttentionRouter:
         frame.ordinal = ordinal + 1
         frame.busy = True
         try:
+            if self.serves_parallel and context_parallel(sig, args, kwargs):
+                frame.local = ordinal  # diffusers runs the call; its forward ops come to dispatch_local
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    frame.local = None
             if self.mode is Mode.CAPTURE and self.capture is not None:
                 call, problem = canonical(sig, args, kwargs, self.masks)
                 return self.capture(frame.slot, ordinal, call, problem, original, args, kwargs)
@@ -246,6 +341,7 @@ class AttentionRouter:
         self.capture = None
         self.stack.clear()
         self.masks.clear()
+        self._local_hosts.clear()
 
 
 def canonical(sig: CallSignature, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -264,5 +360,6 @@ def canonical(sig: CallSignature, args: tuple[Any, ...], kwargs: dict[str, Any],
         dropout_p=float(a["dropout_p"]), layout=sig.layout,
         mask=masks.describe(mask),
         static=sig.static_arguments(a),
+        return_lse=bool(a.get("return_lse", False)),
     )
     return call, host_only_reason(sig, a)

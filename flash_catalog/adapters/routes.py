@@ -1,10 +1,11 @@
 """Routes: what a bound attention call runs, behind one opaque custom op.
 
 A bound call goes through `torch.ops.flash_catalog.attention(route, query, key, value, attn_mask)`, tensors in the
-host's own layout. Under torch.compile the form stays opaque, so what runs is what was gated; the op's fake
-implementation gives the output's shape and strides, and its one non-tensor argument is the route's handle.
-Routes are interned per attach (`RouteTable`): sites whose bindings at a static key are identical share one Route,
-hence one handle, hence one compiled graph.
+host's own layout (`flash_catalog.attention_lse` for a call that returns the log-sum-exp too: a ring step). Under
+torch.compile the form stays opaque, so what runs is what was gated; the op's fake implementation gives the
+output's shape and strides, and its one non-tensor argument is the route's handle. Routes are interned per attach
+(`RouteTable`): sites whose bindings at a static key are identical share one Route, hence one handle, hence one
+compiled graph.
 
 A route with a mask checks the mask's content on every call (`MaskCheck`, tensor ops). In eager the router reads
 the check's result (one host sync per masked call) and sends a failing call to the host's own function; traced, the
@@ -22,7 +23,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ..calls import AttentionCall, StaticKey
+from ..calls import AttentionCall, Output, StaticKey
 from ..forms.base import Runner
 from ..layout import dense_strides
 from ..mask_check import MaskCheck
@@ -56,8 +57,10 @@ class Route:
     out_order: tuple[int, ...]
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 attn_mask: torch.Tensor | None, choice: int) -> torch.Tensor:
+                 attn_mask: torch.Tensor | None, choice: int) -> Output:
         """The bound call, as traced code sees it: one opaque op."""
+        if self.key.return_lse:
+            return attention_lse_op(self.handle, query, key, value, attn_mask, choice)
         return attention_op(self.handle, query, key, value, attn_mask, choice)
 
     def pick(self, attn_mask: torch.Tensor) -> int:
@@ -67,14 +70,18 @@ class Route:
                 return index
         return HOST
 
-    def empty_output(self, query: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """An uninitialised output of the route's shape, dtype and strides (also the op's fake)."""
+    def empty_output(self, query: torch.Tensor, value: torch.Tensor) -> Output:
+        """An uninitialised output of the route's shape, dtype and strides (also the op's fake); with a contiguous
+        float32 log-sum-exp over the query's leading dims when the route returns it."""
         shape = (*query.shape[:-1], value.shape[-1])
-        return torch.empty_strided(shape, dense_strides(shape, self.out_order), dtype=query.dtype,
-                                   device=query.device)
+        out = torch.empty_strided(shape, dense_strides(shape, self.out_order), dtype=query.dtype,
+                                  device=query.device)
+        if not self.key.return_lse:
+            return out
+        return out, torch.empty(query.shape[:-1], dtype=torch.float32, device=query.device)
 
     def serve(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
-              choice: int) -> torch.Tensor:
+              choice: int) -> Output:
         """The op's body: alternative `choice`, the host (HOST), or whichever the mask check picks (CHECK_INSIDE)."""
         if choice == CHECK_INSIDE and attn_mask is not None:
             if capturing(query):
@@ -86,16 +93,18 @@ class Route:
         return self._run(self.alternatives[max(choice, 0)], query, key, value, attn_mask)
 
     def run_host(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 attn_mask: torch.Tensor | None) -> torch.Tensor:
+                 attn_mask: torch.Tensor | None) -> Output:
         return self.host(query, key, value, attn_mask=attn_mask, **dict(self.host_kwargs))
 
     def _run(self, alt: Alternative, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             attn_mask: torch.Tensor | None) -> torch.Tensor:
+             attn_mask: torch.Tensor | None) -> Output:
         call = canonical_call(self.key, query, key, value, attn_mask, alt.mask)
         return self._laid_out(call.to_host_layout(alt.runner(call)))
 
-    def _laid_out(self, out: torch.Tensor) -> torch.Tensor:
+    def _laid_out(self, out: Output) -> Output:
         """`out` with exactly the strides `empty_output` promises (a copy only where the layout differs)."""
+        if isinstance(out, tuple):
+            return self._laid_out(out[0]), out[1].to(torch.float32).contiguous()
         want = dense_strides(out.shape, self.out_order)
         if out.stride() == want:
             return out
@@ -109,7 +118,7 @@ class Route:
         """Inside a CUDA graph capture: each branch recorded under a conditional node, chosen at replay."""
         out = self.empty_output(query, value)
         pending = torch.ones((), dtype=torch.bool, device=query.device)
-        branches: list[tuple[torch.Tensor, Callable[[], torch.Tensor]]] = []
+        branches: list[tuple[torch.Tensor, Callable[[], Output]]] = []
         for alt, ok in zip(self.alternatives, oks):
             if ok is not None:
                 branches.append((pending & ok, lambda alt=alt: self._run(alt, query, key, value, attn_mask)))
@@ -126,18 +135,30 @@ def capturing(t: torch.Tensor) -> bool:
     return t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+def _pairs(out: Output, result: Output) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return list(zip(out, result)) if isinstance(out, tuple) else [(out, result)]
+
+
 @contextlib.contextmanager
-def _conditional(take: torch.Tensor, out: torch.Tensor) -> Iterator[Callable[[Callable[[], torch.Tensor]], None]]:
+def _conditional(take: torch.Tensor, out: Output) -> Iterator[Callable[[Callable[[], Output]], None]]:
     """Record `out.copy_(produce())` so that a replay runs it only where `take` is True: a conditional IF node
     where this torch has them, else the branch always runs and `torch.where` keeps its values where `take`."""
     graph_api = getattr(torch.cuda.CUDAGraph, "get_currently_capturing_graph", None)
     if graph_api is None:
-        yield lambda produce: out.copy_(torch.where(take, produce(), out))
+        def keep(produce: Callable[[], Output]) -> None:
+            for dst, src in _pairs(out, produce()):
+                dst.copy_(torch.where(take, src, dst))
+
+        yield keep
         return
     graph = graph_api()
     graph.begin_capture_to_if_node(take)
     try:
-        yield lambda produce: out.copy_(produce())
+        def copy(produce: Callable[[], Output]) -> None:
+            for dst, src in _pairs(out, produce()):
+                dst.copy_(src)
+
+        yield copy
     finally:
         graph.end_capture_to_conditional_node()
 
@@ -148,7 +169,8 @@ def canonical_call(key: StaticKey, query: torch.Tensor, key_t: torch.Tensor, val
     if key.layout == "bshd":
         query, key_t, value = query.transpose(1, 2), key_t.transpose(1, 2), value.transpose(1, 2)
     return AttentionCall(query=query, key=key_t, value=value, attn_mask=attn_mask, is_causal=key.is_causal,
-                         scale=key.scale, enable_gqa=key.enable_gqa, dropout_p=0.0, layout=key.layout, mask=mask)
+                         scale=key.scale, enable_gqa=key.enable_gqa, dropout_p=0.0, layout=key.layout, mask=mask,
+                         return_lse=key.return_lse)
 
 
 @dataclass
@@ -202,3 +224,17 @@ def _(route: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, a
       choice: int) -> torch.Tensor:
     return resolve(route).empty_output(query, value)
 
+
+
+@torch.library.custom_op("flash_catalog::attention_lse", mutates_args=())
+def attention_lse_op(route: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attn_mask: torch.Tensor | None, choice: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A bound call that returns the log-sum-exp too (a ring-attention step): (output, log-sum-exp over the
+    query's leading dims, float32); `choice` as for `attention_op`."""
+    return resolve(route).serve(query, key, value, attn_mask, choice)
+
+
+@attention_lse_op.register_fake
+def _(route: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
+      choice: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return resolve(route).empty_output(query, value)

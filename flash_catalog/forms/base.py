@@ -7,24 +7,27 @@ from typing import Callable
 
 import torch
 
-from ..calls import AttentionCall, ShapeKey
+from ..agreement import LOCAL, Agreement
+from ..calls import AttentionCall, Output, ShapeKey
+from ..gate import median_seconds
 from ..kernels.staging import StagingKey, StagingPool
 from ..specs import Spec
 
 
 @dataclass(frozen=True)
 class Runner:
-    """Computes attention for a call: (B, H, Sq, Dv) in the query's dtype, caller's tensors untouched.
+    """Computes attention for a call: (B, H, Sq, Dv) in the query's dtype, caller's tensors untouched; for a call
+    with `return_lse`, (output, log-sum-exp (B, H, Sq) in float32).
 
     `detail` says what was chosen for this shape (a backend, a block size), for the plan. `staging` lists the
     buffers each call draws from the form's staging pool; the binder holds exactly those of bound runners.
     """
 
-    fn: Callable[[AttentionCall], torch.Tensor]
+    fn: Callable[[AttentionCall], Output]
     detail: str = ""
     staging: tuple[StagingKey, ...] = ()
 
-    def __call__(self, call: AttentionCall) -> torch.Tensor:
+    def __call__(self, call: AttentionCall) -> Output:
         return self.fn(call)
 
 
@@ -32,13 +35,23 @@ class AttentionForm:
     """Base class: a spec plus one runner per qualified shape, built on first use and cached.
 
     `staging` is the attach's shared scratch pool (set by the binder before any runner is built); forms whose
-    kernels stage operands draw from it, others ignore it.
+    kernels stage operands draw from it, others ignore it. `agreement` (also set by the binder) combines the timings
+    of a form's own variants over the ranks of a context-parallel model, so every rank picks the same one.
     """
 
     def __init__(self, spec: Spec) -> None:
         self.spec = spec
         self.staging: StagingPool | None = None
+        self.agreement: Agreement = LOCAL
         self._runners: dict[ShapeKey, Runner] = {}
+
+    def variant_seconds(self, run: Callable[[], object], device: torch.device, samples: int = 5) -> float:
+        """Seconds per call of one of the form's variants (inf where it fails), agreed over the ranks."""
+        try:
+            seconds = median_seconds(run, device, samples)
+        except Exception:  # this variant cannot serve the shape here
+            seconds = float("inf")
+        return self.agreement.slowest(seconds)
 
     @property
     def name(self) -> str:

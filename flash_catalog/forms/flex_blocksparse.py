@@ -3,7 +3,8 @@
 One BlockMask per (structure, shape), built once when the shape is first served; compiled FlexAttention on
 CUDA (one compilation per shape and block size), eager on CPU. The block size is chosen per shape by
 measurement among the candidates. Bound, the form runs inside the catalog's opaque attention op, so a model
-compiled by its user runs this same compiled kernel: what was gated.
+compiled by its user runs this same compiled kernel: what was gated. A call that needs the log-sum-exp (a
+ring-attention step) gets FlexAttention's own (natural log, float32).
 """
 
 from __future__ import annotations
@@ -14,19 +15,29 @@ import types
 import warnings
 
 import torch
+from torch.nn.attention import flex_attention as _flex_module
 from torch.nn.attention.flex_attention import flex_attention
 
 from ..blockmasks import build_block_mask
 from ..calls import AttentionCall
-from ..gate import median_seconds
 from .base import AttentionForm, Runner
 
 BLOCK_SIZES = {"cuda": (128, 64), "cpu": (128,)}
 
 
-def _flex(q, k, v, block_mask, scale, enable_gqa, kernel_options):
-    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
-                          kernel_options=kernel_options)
+_AUX = getattr(_flex_module, "AuxRequest", None)  # torch >= 2.9; older torch takes return_lse=True
+
+
+def _flex(q, k, v, block_mask, scale, enable_gqa, kernel_options, lse=False):
+    if not lse:
+        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
+                              kernel_options=kernel_options)
+    if _AUX is None:
+        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
+                              kernel_options=kernel_options, return_lse=True)
+    out, aux = flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
+                              kernel_options=kernel_options, return_aux=_AUX(lse=True))
+    return out, aux.lse
 
 
 def compiled_flex():
@@ -41,8 +52,9 @@ def compiled_flex():
 _COMPILED = itertools.count()
 
 
-def _run(fn, block_mask, kernel_options, call: AttentionCall) -> torch.Tensor:
-    return fn(call.query, call.key, call.value, block_mask, call.scale, call.enable_gqa, kernel_options)
+def _run(fn, block_mask, kernel_options, call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    return fn(call.query, call.key, call.value, block_mask, call.scale, call.enable_gqa, kernel_options,
+              call.return_lse)
 
 
 class FlexBlocksparse(AttentionForm):
@@ -62,15 +74,12 @@ class FlexBlocksparse(AttentionForm):
         timings: dict[int, tuple[float, Runner]] = {}
         for block in BLOCK_SIZES.get(device.type, (128,)):
             options = None if block == 128 else {"BLOCK_M": block, "BLOCK_N": block}
-            try:
-                block_mask = build_block_mask(call.mask, sq, skv, device, block)
-                run = functools.partial(_run, fn, block_mask, options)
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    seconds = median_seconds(lambda: run(call), device, samples=3)
-            except Exception:  # this block size does not compile or serve the shape
-                if block == BLOCK_SIZES[device.type][0] and len(BLOCK_SIZES[device.type]) == 1:
-                    raise
+            block_mask = build_block_mask(call.mask, sq, skv, device, block)
+            run = functools.partial(_run, fn, block_mask, options)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                seconds = self.variant_seconds(lambda: run(call), device, samples=3)  # inf: does not compile
+            if seconds == float("inf"):
                 continue
             density = float(block_mask.kv_num_blocks.sum() + block_mask.full_kv_num_blocks.sum())
             density /= block_mask.kv_num_blocks.shape[-1] * -(-skv // block) * block_mask.kv_num_blocks.shape[0]

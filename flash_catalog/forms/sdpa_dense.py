@@ -1,4 +1,6 @@
-"""`sdpa_dense`: torch SDPA pinned per shape to the fastest backend, with an all-pass mask dropped."""
+"""`sdpa_dense`: torch SDPA pinned per shape to the fastest backend, with an all-pass mask dropped.
+
+A call that needs the log-sum-exp (a ring-attention step) runs the backend's own aten op, which returns it."""
 
 from __future__ import annotations
 
@@ -10,7 +12,6 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..calls import AttentionCall
-from ..gate import median_seconds
 from ..masks import ALL_PASS
 from .base import AttentionForm, Runner
 
@@ -18,6 +19,10 @@ from .base import AttentionForm, Runner
 CANDIDATES = {
     "cuda": (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION),
     "cpu": (SDPBackend.FLASH_ATTENTION, SDPBackend.MATH),
+}
+LSE_CANDIDATES = {  # the backends whose aten op returns the log-sum-exp
+    "cuda": (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION),
+    "cpu": (SDPBackend.FLASH_ATTENTION,),
 }
 
 
@@ -30,20 +35,49 @@ def run_sdpa(backend: SDPBackend, drop_mask: bool, call: AttentionCall) -> torch
         )
 
 
+def run_sdpa_lse(backend: SDPBackend, drop_mask: bool, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, log-sum-exp (B, H, Sq) float32) from the backend's aten op."""
+    q, k, v = call.query, call.key, call.value
+    mask = None if drop_mask else call.attn_mask
+    aten = torch.ops.aten
+    if q.device.type == "cpu":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, call.is_causal, attn_mask=mask,
+                                                                   scale=call.scale)
+    elif backend is SDPBackend.CUDNN_ATTENTION:  # cuDNN needs contiguous (B, H, S, D) operands
+        out, lse = aten._scaled_dot_product_cudnn_attention(
+            q.contiguous(), k.contiguous(), v.contiguous(), mask, True, 0.0, call.is_causal, False,
+            scale=call.scale)[:2]
+    elif backend is SDPBackend.FLASH_ATTENTION:
+        if mask is not None:
+            raise RuntimeError("flash attention takes no mask")
+        out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, call.is_causal, False, scale=call.scale)[:2]
+    else:
+        out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, mask, True, 0.0, call.is_causal,
+                                                                scale=call.scale)[:2]
+    b, h, s = q.shape[0], q.shape[1], q.shape[2]
+    return out, lse.reshape(b, h, -1)[..., :s].float()  # cuDNN may add a trailing 1, efficient pads S to 32
+
+
 class SdpaDense(AttentionForm):
+    def rule(self, call: AttentionCall) -> str | None:
+        if call.return_lse and call.gqa:
+            return "GQA with the log-sum-exp is not served"
+        return None
+
     def build(self, call: AttentionCall) -> Runner:
         drop = call.mask_kind == ALL_PASS
+        run_fn = run_sdpa_lse if call.return_lse else run_sdpa
+        candidates = (LSE_CANDIDATES if call.return_lse else CANDIDATES).get(call.query.device.type, ())
         timings: dict[SDPBackend, float] = {}
-        for backend in CANDIDATES.get(call.query.device.type, ()):
-            run = functools.partial(run_sdpa, backend, drop, call)
-            try:
-                with warnings.catch_warnings():  # a backend that cannot serve the shape says why, then raises
-                    warnings.simplefilter("ignore")
-                    timings[backend] = median_seconds(run, call.query.device)
-            except RuntimeError:
-                continue
+        for backend in candidates:
+            run = functools.partial(run_fn, backend, drop, call)
+            with warnings.catch_warnings():  # a backend that cannot serve the shape says why, then raises
+                warnings.simplefilter("ignore")
+                timings[backend] = self.variant_seconds(run, call.query.device)
+        timings = {b: s for b, s in timings.items() if s != float("inf")}
         if not timings:
             raise RuntimeError(f"{self.name}: no SDPA backend serves this shape")
         best = min(timings, key=timings.__getitem__)
-        detail = f"backend {best.name.lower()}" + (", mask dropped" if drop else "")
-        return Runner(functools.partial(run_sdpa, best, drop), detail)
+        detail = (f"backend {best.name.lower()}" + (", log-sum-exp" if call.return_lse else "")
+                  + (", mask dropped" if drop else ""))
+        return Runner(functools.partial(run_fn, best, drop), detail)

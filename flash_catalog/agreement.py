@@ -1,0 +1,122 @@
+"""Decisions agreed across the ranks of a context-parallel model.
+
+Under diffusers' context parallelism every rank runs the same model on its share of the sequence, and attach runs on
+every rank. Each rank measures accuracy and speed on its own inputs; before anything depends on them, the figures are
+combined over the ranks (the worst cosine, the worst relative error, per round the geometric mean of the speed
+ratios, a form's variant timings by the slowest rank), so every rank reaches the same verdict from the same numbers:
+identical plans by construction. A single process uses `LOCAL`, which combines nothing.
+
+Collectives run in the order decisions are taken, which is the same on every rank (the same model, the same
+calibration call); `check` compares the finished decisions and fails the attach on every rank if they differ.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .gate import Accuracy, Timing, pseudo_median, signed_rank_interval
+
+COMBINE = "cosine: min over ranks; rel err: max; speed: per round the geometric mean of the ranks' ratios"
+
+
+@dataclass(frozen=True)
+class ParallelRecord:
+    """What the plan records of the parallel run its decisions were agreed over."""
+
+    world_size: int
+    ring_degree: int
+    ulysses_degree: int
+    decided_by: tuple[int, ...]  # the ranks whose measurements were combined (all of the group)
+    combine: str = COMBINE
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"world_size": self.world_size, "ring_degree": self.ring_degree,
+                "ulysses_degree": self.ulysses_degree, "decided_by": list(self.decided_by), "combine": self.combine}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ParallelRecord:
+        return cls(int(data["world_size"]), int(data["ring_degree"]), int(data["ulysses_degree"]),
+                   tuple(data["decided_by"]), str(data["combine"]))
+
+
+@dataclass(frozen=True, eq=False)
+class Agreement:
+    """The process group decisions are agreed over (None: one process, nothing to combine)."""
+
+    group: Any = None
+    record: ParallelRecord | None = None
+
+    @classmethod
+    def of(cls, model: nn.Module) -> Agreement:
+        """The agreement a model needs: over its context-parallel group when diffusers' context parallelism is
+        enabled on it or on a module in it (a pipeline's denoisers: `enable_parallelism` before `attach`), else
+        `LOCAL`."""
+        configs = (getattr(getattr(m, "_parallel_config", None), "context_parallel_config", None)
+                   for m in model.modules())
+        config = next((c for c in configs if getattr(c, "_flattened_mesh", None) is not None), None)
+        if config is None:
+            return LOCAL
+        group = config._flattened_mesh.get_group()
+        ranks = tuple(sorted(torch.distributed.get_process_group_ranks(group)))
+        return cls(group, ParallelRecord(len(ranks), config.ring_degree, config.ulysses_degree, ranks))
+
+    @property
+    def parallel(self) -> bool:
+        return self.group is not None
+
+    def _gather(self, value: Any) -> list[Any]:
+        if self.group is None:
+            return [value]
+        out: list[Any] = [None] * torch.distributed.get_world_size(self.group)
+        torch.distributed.all_gather_object(out, value, group=self.group)
+        return out
+
+    def accuracy(self, accuracy: Accuracy | None) -> Accuracy | None:
+        """The worst accuracy over the ranks; None (the form failed) when it failed on any rank."""
+        if self.group is None:
+            return accuracy
+        every = self._gather(accuracy)
+        if any(a is None for a in every):
+            return None
+        return Accuracy(min(a.cosine for a in every), max(a.max_rel_err for a in every))
+
+    def timing(self, timing: Timing) -> Timing:
+        """One timing from every rank's: per round the geometric mean of the ratios (over the rounds every rank
+        took), its Hodges-Lehmann centre and interval, the mean host time."""
+        if self.group is None:
+            return timing
+        every: list[Timing] = self._gather(timing)
+        rounds = min(t.rounds for t in every)
+        logs = [statistics.fmean(math.log(t.ratios[i]) for t in every) for i in range(rounds)]
+        low, high = signed_rank_interval(logs)
+        speedup = math.exp(pseudo_median(logs))
+        host_ms = statistics.fmean(t.host_ms for t in every)
+        return Timing(tuple(math.exp(x) for x in logs), speedup, host_ms, host_ms / speedup, math.exp(low),
+                      math.exp(high), every[0].threads, every[0].load_1m)
+
+    def slowest(self, seconds: float) -> float:
+        """A form's timing of one of its own variants, as the slowest rank measured it (inf: failed there), so
+        that every rank picks the same variant."""
+        return seconds if self.group is None else max(self._gather(seconds))
+
+    def check(self, decisions: list[dict[str, Any]]) -> None:
+        """Raise on every rank unless every rank decided the same (its sites' outcomes, forms and figures)."""
+        if self.group is None:
+            return
+        digest = hashlib.sha256(json.dumps(decisions, sort_keys=True, default=str).encode()).hexdigest()
+        every = self._gather(digest)
+        if len(set(every)) != 1:
+            differ = [rank for rank, d in zip(self.record.decided_by, every) if d != every[0]]
+            raise RuntimeError(f"ranks decided differently (ranks {differ} differ from rank "
+                               f"{self.record.decided_by[0]}); the plans were not bound")
+
+
+LOCAL = Agreement()

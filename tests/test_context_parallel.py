@@ -1,0 +1,195 @@
+"""Attach under diffusers' context parallelism: two real processes, gloo, tiny Wan and LTX-2 on CPU.
+
+Each rank builds the same tiny model, computes the unparallelised host output, enables context parallelism
+(Ulysses or ring, degree 2), attaches with forced binds (min_speedup=0), runs, detaches. The parent checks: the
+parallel self-attention sites bound on both ranks at their per-rank shapes (Ulysses: the full sequence over half the
+heads; ring: each step, with its log-sum-exp), outputs close to the unparallelised host, identical plans on both
+ranks, a plan that records the world size and degrees, detach bit-exact (output and state_dict), and the refusal of
+a form that does not return the log-sum-exp at ring steps. Nothing of torch.distributed is mocked.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.distributed
+
+WORLD = 2
+NO_LSE_SPEC = """
+name = "sdpa_no_lse"
+family = "attention_core"
+implementation = "flash_catalog.forms.sdpa_dense:SdpaDense"
+precision = "native"
+[envelope]
+devices = ["cpu", "cuda"]
+dtypes = ["float16", "bfloat16", "float32"]
+masks = ["none", "all_pass"]
+[accuracy]
+min_cosine = 0.9999
+max_rel_err = 0.02
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cpu_devices() -> None:
+    """diffusers builds its context-parallel device from `rank % torch.accelerator.device_count()`: a CPU-only
+    machine reports 0 devices (a division by zero). Each of these worker processes is one CPU "device"."""
+    torch.accelerator.device_count = lambda *args: 1
+
+
+def _cpu_flash_op(lib: torch.library.Library) -> None:
+    """diffusers' ring attention needs a backend whose forward op returns the log-sum-exp; `_native_flash` calls
+    `aten._scaled_dot_product_flash_attention`, which has no CPU kernel. This registers one (in this worker process
+    only) from torch's CPU flash kernel, which returns the same (output, log-sum-exp)."""
+
+    def flash_cpu(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, dropout_p,
+                                                                              is_causal, scale=scale)
+        empty = torch.empty(0)
+        return out, lse, empty, empty, query.shape[2], key.shape[2], empty, empty, empty
+
+    lib.impl("_scaled_dot_product_flash_attention", flash_cpu, "CPU")
+
+
+def _first(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _run(model, inputs) -> torch.Tensor:
+    with torch.no_grad():
+        return _first(model(**inputs))
+
+
+def _worker(rank: int, port: int, name: str, kind: str, out_dir: str) -> None:
+    _cpu_devices()
+    torch.set_num_threads(1)
+    lib = torch.library.Library("aten", "IMPL")  # held for the process's life
+    if kind == "ring":
+        _cpu_flash_op(lib)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        torch.save(_scenario(name, kind, Path(out_dir)), Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _scenario(name: str, kind: str, out_dir: Path) -> dict:
+    from diffusers import ContextParallelConfig
+
+    from flash_catalog import attach, detach
+    from flash_catalog.catalog import Catalog
+    from flash_catalog.tiny_hosts import build
+
+    host = build(name)
+    inputs = host.inputs()
+    if name == "ltx2":
+        # diffusers 0.42.1 all-gathers a per-head text mask, which its Ulysses head split then cannot broadcast
+        inputs["encoder_attention_mask"] = None
+    reference = _run(host.model, inputs)  # the unparallelised host
+    if kind == "ring":
+        host.model.set_attention_backend("_native_flash")  # the native backend returns no log-sum-exp
+    host.model.enable_parallelism(config=ContextParallelConfig(**{f"{kind}_degree": WORLD}),
+                                  cp_plan=_cp_plan(host.model))
+    host_cp = _run(host.model, inputs)
+    state = {k: v.clone() for k, v in host.model.state_dict().items()}
+    result: dict = {"reference": reference, "host_cp": host_cp}
+    if kind == "ring":  # a form that cannot return the log-sum-exp is refused at ring steps
+        spec = out_dir / "sdpa_no_lse.toml"
+        spec.write_text(NO_LSE_SPEC)
+        plan = attach(host.model, inputs, attention_forms=["sdpa_no_lse"], min_speedup=0, timing_rounds=3,
+                      catalog=Catalog.load([spec]))
+        result["no_lse"] = [s.to_dict() for s in plan.sites]
+        detach(plan)
+    plan = attach(host.model, inputs, attention_forms=["sdpa_dense"], min_speedup=0, timing_rounds=3)
+    result["attached"] = _run(host.model, inputs)
+    result["sites"] = [s.to_dict() for s in plan.sites]
+    result["parallel"] = plan.to_dict()["parallel"]
+    result["routed"], result["fallbacks"] = plan.routed, plan.fallbacks
+    detach(plan)
+    result["detached"] = _run(host.model, inputs)
+    after = host.model.state_dict()
+    result["state_equal"] = set(after) == set(state) and all(torch.equal(after[k], state[k]) for k in state)
+    return result
+
+
+def _cp_plan(model):
+    """The model's own plan; LTX-2's misses its cross-modal rotary embeddings (diffusers 0.42.1), added here."""
+    plan = dict(model._cp_plan)
+    if type(model).__name__ == "LTX2VideoTransformer3DModel":
+        from diffusers.models._modeling_parallel import ContextParallelInput
+
+        split = {i: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True) for i in (0, 1)}
+        plan["cross_attn_rope"] = split
+    return plan
+
+
+def _spawn(name: str, kind: str, tmp_path: Path) -> list[dict]:
+    mp.spawn(_worker, args=(_free_port(), name, kind, str(tmp_path)), nprocs=WORLD, join=True)
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
+
+
+def _check_common(ranks: list[dict], kind: str) -> None:
+    first = ranks[0]
+    assert first["sites"] == ranks[1]["sites"]  # identical plans: outcomes, forms, figures, reasons
+    assert first["parallel"] == ranks[1]["parallel"]
+    assert first["parallel"]["world_size"] == WORLD and first["parallel"][f"{kind}_degree"] == WORLD
+    assert first["parallel"]["decided_by"] == [0, 1]
+    for r in ranks:
+        assert _cosine(r["attached"], r["reference"]) > 0.99999
+        assert torch.allclose(r["attached"], r["reference"], atol=1e-4, rtol=1e-4)
+        assert torch.equal(r["detached"], r["host_cp"]) and r["state_equal"]
+        assert r["fallbacks"] == {}
+
+
+def _self_attention(sites: list[dict], module: str) -> list[dict]:
+    return [s for s in sites if s["name"].split(".")[-1] == module]
+
+
+def test_wan_ulysses_serves_each_ranks_full_sequence_over_half_the_heads(tmp_path):
+    ranks = _spawn("wan", "ulysses", tmp_path)
+    _check_common(ranks, "ulysses")
+    attn1 = _self_attention(ranks[0]["sites"], "attn1#0")
+    assert len(attn1) == 2 and all(s["outcome"] == "bound" and s["form"] == "sdpa_dense" for s in attn1)
+    # post all-to-all: the whole sequence (2 frames x 4 x 4 patches = 32) over 1 of the 2 heads
+    assert {s["shapes"][0]["shape"].split(" ")[0] for s in attn1} == {"q=(1,32,1,12)"}
+    for r in ranks:
+        assert all(r["routed"][s["name"]] == 1 for s in attn1)
+
+
+def test_ltx2_ulysses_binds_every_parallel_site_on_both_ranks(tmp_path):
+    ranks = _spawn("ltx2", "ulysses", tmp_path)
+    _check_common(ranks, "ulysses")
+    sites = ranks[0]["sites"]
+    assert sites and all(s["outcome"] == "bound" for s in sites)
+    video_self = _self_attention(sites, "attn1#0")
+    assert {s["shapes"][0]["shape"].split(" ")[0] for s in video_self} == {"q=(2,128,1,8)"}  # 2x8x8 tokens, 1 head
+
+
+def test_wan_ring_serves_each_step_with_its_log_sum_exp(tmp_path):
+    ranks = _spawn("wan", "ring", tmp_path)
+    _check_common(ranks, "ring")
+    attn1 = _self_attention(ranks[0]["sites"], "attn1#0")
+    assert len(attn1) == 2 and all(s["outcome"] == "bound" for s in attn1)
+    shape = attn1[0]["shapes"][0]
+    assert shape["shape"].startswith("q=(1,16,2,12)") and shape["shape"].endswith("+lse")  # half the sequence
+    assert shape["calls"] == WORLD  # one call per ring step
+    for r in ranks:
+        assert all(r["routed"][s["name"]] == WORLD for s in attn1)
+    refused = _self_attention(ranks[0]["no_lse"], "attn1#0")
+    assert all(s["outcome"] == "refused" and "log-sum-exp" in s["shapes"][0]["reason"] for s in refused)
+    assert ranks[0]["no_lse"] == ranks[1]["no_lse"]
