@@ -42,26 +42,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _cpu_devices() -> None:
-    """diffusers builds its context-parallel device from `rank % torch.accelerator.device_count()`: a CPU-only
-    machine reports 0 devices (a division by zero). Each of these worker processes is one CPU "device"."""
-    torch.accelerator.device_count = lambda *args: 1
-
-
-def _cpu_flash_op(lib: torch.library.Library) -> None:
-    """diffusers' ring attention needs a backend whose forward op returns the log-sum-exp; `_native_flash` calls
-    `aten._scaled_dot_product_flash_attention`, which has no CPU kernel. This registers one (in this worker process
-    only) from torch's CPU flash kernel, which returns the same (output, log-sum-exp)."""
-
-    def flash_cpu(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, dropout_p,
-                                                                              is_causal, scale=scale)
-        empty = torch.empty(0)
-        return out, lse, empty, empty, query.shape[2], key.shape[2], empty, empty, empty
-
-    lib.impl("_scaled_dot_product_flash_attention", flash_cpu, "CPU")
-
-
 def _first(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
@@ -72,11 +52,12 @@ def _run(model, inputs) -> torch.Tensor:
 
 
 def _worker(rank: int, port: int, name: str, kind: str, out_dir: str) -> None:
-    _cpu_devices()
+    from flash_catalog.cpu_parallel import cpu_flash_attention, one_device_per_process
+
+    one_device_per_process()  # diffusers divides by the accelerator count, 0 on a CPU machine
     torch.set_num_threads(1)
-    lib = torch.library.Library("aten", "IMPL")  # held for the process's life
     if kind == "ring":
-        _cpu_flash_op(lib)
+        cpu_flash_attention()  # a CPU kernel for the op diffusers' `_native_flash` backend calls
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
         torch.save(_scenario(name, kind, Path(out_dir)), Path(out_dir) / f"rank{rank}.pt")
