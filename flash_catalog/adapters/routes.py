@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import uuid
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -32,6 +33,9 @@ from ..masks import MaskInfo
 CHECK_INSIDE = -2  # the op's `choice` when the mask check happens inside it
 HOST = -1  # the op's `choice` for the host's own function
 _HANDLES = itertools.count(1)
+_PROCESS = uuid.uuid4().hex[:8]
+"""Handles name this process: a compiled graph holds its route's handle as a constant, and inductor's on-disk cache
+serves graphs across processes, where the same counter value would name another route (another output layout)."""
 _LIVE: weakref.WeakValueDictionary[str, Route] = weakref.WeakValueDictionary()
 
 
@@ -55,11 +59,12 @@ class Route:
     host_kwargs: tuple[tuple[str, Any], ...]
     alternatives: tuple[Alternative, ...]
     out_order: tuple[int, ...]
+    lse: bool = False  # key.return_lse as a plain attribute: traced code reading `key` would guard on its identity
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attn_mask: torch.Tensor | None, choice: int) -> Output:
         """The bound call, as traced code sees it: one opaque op."""
-        if self.key.return_lse:
+        if self.lse:
             return attention_lse_op(self.handle, query, key, value, attn_mask, choice)
         return attention_op(self.handle, query, key, value, attn_mask, choice)
 
@@ -76,7 +81,7 @@ class Route:
         shape = (*query.shape[:-1], value.shape[-1])
         out = torch.empty_strided(shape, dense_strides(shape, self.out_order), dtype=query.dtype,
                                   device=query.device)
-        if not self.key.return_lse:
+        if not self.lse:
             return out
         return out, torch.empty(query.shape[:-1], dtype=torch.float32, device=query.device)
 
@@ -185,7 +190,8 @@ class RouteTable:
                     tuple((alt.mask, id(alt.check), id(alt.runner)) for alt in alternatives))
         route = self.routes.get(identity)
         if route is None:
-            route = Route(f"route-{next(_HANDLES)}", key, host, host_kwargs, alternatives, out_order)
+            route = Route(f"route-{_PROCESS}-{next(_HANDLES)}", key, host, host_kwargs, alternatives, out_order,
+                          key.return_lse)
             self.routes[identity] = route
             _LIVE[route.handle] = route
         return route
