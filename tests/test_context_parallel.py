@@ -4,8 +4,9 @@ Each rank builds the same tiny model, computes the unparallelised host output, e
 (Ulysses or ring, degree 2), attaches with forced binds (min_speedup=0), runs, detaches. The parent checks: the
 parallel self-attention sites bound on both ranks at their per-rank shapes (Ulysses: the full sequence over half the
 heads; ring: each step, with its log-sum-exp), outputs close to the unparallelised host, identical plans on both
-ranks, a plan that records the world size and degrees, detach bit-exact (output and state_dict), and the refusal of
-a form that does not return the log-sum-exp at ring steps. Nothing of torch.distributed is mocked.
+ranks, a plan that records the world size and degrees, detach bit-exact (output and state_dict), the refusal of
+a form that does not return the log-sum-exp at ring steps, and (Wan) regional compilation with fullgraph=True of the
+attached parallel model. Nothing of torch.distributed is mocked.
 """
 
 from __future__ import annotations
@@ -97,8 +98,16 @@ def _scenario(name: str, kind: str, out_dir: Path) -> dict:
     result["sites"] = [s.to_dict() for s in plan.sites]
     result["parallel"] = plan.to_dict()["parallel"]
     result["routed"], result["fallbacks"] = plan.routed, plan.fallbacks
+    if name == "wan":  # regional compilation of the attached parallel model: no graph break, the same outputs
+        from torch._dynamo.utils import counters
+
+        counters.clear()
+        host.model.compile_repeated_blocks(fullgraph=True, backend="aot_eager")
+        result["compiled"] = [_run(host.model, inputs) for _ in range(2)]
+        result["graphs"], result["graph_breaks"] = counters["stats"]["unique_graphs"], dict(counters["graph_break"])
     detach(plan)
-    result["detached"] = _run(host.model, inputs)
+    with torch.compiler.set_stance("force_eager"):
+        result["detached"] = _run(host.model, inputs)
     after = host.model.state_dict()
     result["state_equal"] = set(after) == set(state) and all(torch.equal(after[k], state[k]) for k in state)
     return result
@@ -141,9 +150,18 @@ def _self_attention(sites: list[dict], module: str) -> list[dict]:
     return [s for s in sites if s["name"].split(".")[-1] == module]
 
 
+def _check_compiled(ranks: list[dict]) -> None:
+    """Compiled with fullgraph=True after attach: no graph break, one graph per block structure (two: diffusers'
+    split hook sits on blocks.0 only), each call equal to the attached eager model."""
+    for r in ranks:
+        assert r["graph_breaks"] == {} and r["graphs"] == 2
+        assert all(torch.equal(out, r["attached"]) for out in r["compiled"])
+
+
 def test_wan_ulysses_serves_each_ranks_full_sequence_over_half_the_heads(tmp_path):
     ranks = _spawn("wan", "ulysses", tmp_path)
     _check_common(ranks, "ulysses")
+    _check_compiled(ranks)
     attn1 = _self_attention(ranks[0]["sites"], "attn1#0")
     assert len(attn1) == 2 and all(s["outcome"] == "bound" and s["form"] == "sdpa_dense" for s in attn1)
     # post all-to-all: the whole sequence (2 frames x 4 x 4 patches = 32) over 1 of the 2 heads
@@ -164,6 +182,7 @@ def test_ltx2_ulysses_binds_every_parallel_site_on_both_ranks(tmp_path):
 def test_wan_ring_serves_each_step_with_its_log_sum_exp(tmp_path):
     ranks = _spawn("wan", "ring", tmp_path)
     _check_common(ranks, "ring")
+    _check_compiled(ranks)
     attn1 = _self_attention(ranks[0]["sites"], "attn1#0")
     assert len(attn1) == 2 and all(s["outcome"] == "bound" for s in attn1)
     shape = attn1[0]["shapes"][0]

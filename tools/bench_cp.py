@@ -63,13 +63,12 @@ def setup(args: argparse.Namespace) -> tuple[int, int, torch.device]:
 
         one_device_per_process()  # diffusers divides by the accelerator count, 0 on a CPU machine
         cpu_flash_attention()  # `_native_flash` (ring attention's host) has no CPU kernel
-    dist.init_process_group("gloo" if args.device == "cpu" else "nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if args.device == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", rank))
-        torch.cuda.set_device(local)
-        return rank, world, torch.device("cuda", local)
-    return rank, world, torch.device("cpu")
+        dist.init_process_group("gloo")
+        return dist.get_rank(), dist.get_world_size(), torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)  # before NCCL: its collectives (and all_gather_object) use the current device
+    dist.init_process_group("nccl")
+    return dist.get_rank(), dist.get_world_size(), device
 
 
 def gather(value: Any) -> list[Any]:
