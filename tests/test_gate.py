@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 import os
 import random
 import re
@@ -12,7 +13,7 @@ import time
 import pytest
 import torch
 
-from flash_catalog.gate import (SETTLE_S, SpeedVerdict, Timing, paired_speedup, repeats, settle_calls,
+from flash_catalog.gate import (SETTLE_S, SpeedVerdict, Timing, measure_accuracy, paired_speedup, repeats, settle_calls,
                                 signed_rank_interval, summarize, walsh_averages)
 
 CPU = torch.device("cpu")
@@ -207,3 +208,14 @@ def test_a_cpu_timing_records_threads_and_load():
 def test_round_counts_are_checked(rounds, max_rounds):
     with pytest.raises(ValueError, match=f"rounds={rounds}"):
         paired_speedup(_host, _form, CPU, rounds=rounds, max_rounds=max_rounds, timer=_clock(1.0, 0))
+
+
+def test_a_ring_steps_accuracy_weighs_its_output_by_its_log_sum_exp():
+    """(output, log-sum-exp) pairs are compared as diffusers' ring merge weighs a step: an lse off by d scales the
+    step's contribution by e^d, which the relative error shows."""
+    g = torch.Generator().manual_seed(0)
+    out, lse = torch.randn(2, 8, 3, 4, generator=g), torch.randn(2, 8, 3, generator=g)
+    same = measure_accuracy((out, lse), (out, lse))
+    assert same.cosine == pytest.approx(1.0) and same.max_rel_err == 0.0
+    shifted = measure_accuracy((out, lse + 0.1), (out, lse))
+    assert shifted.max_rel_err == pytest.approx(math.exp(0.1) - 1, rel=1e-5)

@@ -224,3 +224,22 @@ def test_kernel_choice_names_why_the_gluon_kernel_does_not_serve():
             sage2_attention(q, q, q, kernel="gluon")
     with pytest.raises(ValueError, match="are the Triton kernel's"):
         sage2_attention(q, q, q, kernel="gluon", block_m=64)
+
+
+@pytest.mark.parametrize("pv", ["fp8", "fp16"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_log_sum_exp_for_ring_steps(pv, is_causal):
+    """return_lse: the same output, and each row's natural log-sum-exp of the scaled scores, the K mean's share added
+    back (K carries a bias here, so a forgotten correction is far off)."""
+    q, k, v = _inputs(sq=37, skv=53, d=64, dtype=torch.bfloat16, seed=3, k_bias=1.0)
+    scale = 0.125
+    out, lse = sage2_attention(q, k, v, pv=pv, is_causal=is_causal, scale=scale, block_m=16, block_n=SMALL_N,
+                               return_lse=True)
+    plain = sage2_attention(q, k, v, pv=pv, is_causal=is_causal, scale=scale, block_m=16, block_n=SMALL_N)
+    assert torch.equal(out, plain)
+    scores = torch.einsum("bhsd,bhtd->bhst", q.double(), k.double().repeat_interleave(2, dim=1)) * scale
+    if is_causal:
+        scores = scores.masked_fill(torch.ones(37, 53, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    exact = torch.logsumexp(scores, dim=-1)
+    assert lse.shape == q.shape[:-1] and lse.dtype == torch.float32
+    assert (lse.double() - exact).abs().max() < 0.02  # INT8 Q.K^T noise on scores of a few units

@@ -8,14 +8,15 @@ import torch
 
 from ..calls import AttentionCall
 from ..kernels.sage2_attention import choose_kernel, staging_keys
-from ..kernels.sage2_op import sage2_attention_op
+from ..kernels.sage2_op import sage2_attention_lse_op, sage2_attention_op
 from ..masks import ALL_PASS
 from .base import AttentionForm, Runner
 
 
-def _run(pv: str, staging: str, call: AttentionCall) -> torch.Tensor:
+def _run(pv: str, staging: str, call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     # an all-pass mask is dropped: the envelope admits only none and all_pass
-    return sage2_attention_op(call.query, call.key, call.value, call.scale, pv, call.is_causal, staging)
+    op = sage2_attention_lse_op if call.return_lse else sage2_attention_op
+    return op(call.query, call.key, call.value, call.scale, pv, call.is_causal, staging)
 
 
 class _Sage2(AttentionForm):
@@ -29,15 +30,15 @@ class _Sage2(AttentionForm):
         return None
 
     def build(self, call: AttentionCall) -> Runner:
-        kernel = choose_kernel(call.query, self.pv, call.is_causal)
-        detail = (f"INT8 QK, {self.pv.upper()} PV, {kernel} kernel"
+        kernel = choose_kernel(call.query, self.pv, call.is_causal, "triton" if call.return_lse else "auto")
+        detail = (f"INT8 QK, {self.pv.upper()} PV, {kernel} kernel" + (", log-sum-exp" if call.return_lse else "")
                   + (", mask dropped" if call.mask_kind == ALL_PASS else ""))
         pool = self.staging
         if pool is None:
             return Runner(functools.partial(_run, self.pv, ""), detail)
         # the runner names its pool by handle (the op takes no objects) and lists the buffers it draws
         return Runner(functools.partial(_run, self.pv, pool.handle), detail,
-                      staging=staging_keys(call.query, call.key, self.pv, call.is_causal))
+                      staging=staging_keys(call.query, call.key, self.pv, call.is_causal, kernel))
 
 
 class Sage2Fp8(_Sage2):

@@ -166,13 +166,13 @@ def _attn_blocks(acc, l_i, m_i, q, q_scale, offs_m, offs_n, offs_d,
 
 
 @triton.jit
-def _sage2_fwd_kernel(Q8, QS, K8, KS, V, VS, Out,
+def _sage2_fwd_kernel(Q8, QS, K8, KS, V, VS, Out, Lse,
                       stride_vb, stride_vh, stride_vs, stride_vd,
                       stride_ob, stride_oh, stride_os, stride_od,
                       H_Q, H_KV, SEQ_Q, SEQ_KV, SEQ_Q_PAD, SEQ_KV_PAD, N_QB, N_KB,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                       IS_CAUSAL: tl.constexpr, PV_FP8: tl.constexpr, INTERPRETED: tl.constexpr,
-                      OUT_BF16: tl.constexpr):
+                      OUT_BF16: tl.constexpr, WRITE_LSE: tl.constexpr):
     if IS_CAUSAL:  # longest query tiles (most key blocks) first, for a better tail across SMs
         pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     else:
@@ -222,12 +222,17 @@ def _sage2_fwd_kernel(Q8, QS, K8, KS, V, VS, Out,
     o_ptr = Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh \
         + offs_m[:, None].to(tl.int64) * stride_os + offs_d[None, :] * stride_od
     tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=(offs_m < SEQ_Q)[:, None])
+    if WRITE_LSE:  # natural log-sum-exp of the smoothed scores; l_i carries P's 448 (LOG2_P_SCALE)
+        lse = (m_i + tl.math.log2(l_i) - LOG2_P_SCALE) * 0.6931471805599453
+        tl.store(Lse + pid_bh.to(tl.int64) * SEQ_Q + offs_m, lse, mask=offs_m < SEQ_Q)
 
 
 def sage2_attention_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, is_causal: bool = False,
                            num_warps: int | None = None, num_stages: int | None = None,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
-    """Run the attention kernel on already quantised operands (see `quantize_qkv`); returns (B, Hq, Sq, D)."""
+                           out: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> torch.Tensor:
+    """Run the attention kernel on already quantised operands (see `quantize_qkv`); returns (B, Hq, Sq, D). With
+    `lse` ((B, Hq, Sq) float32) the kernel also writes each row's log-sum-exp of the scores it saw: those of K less
+    its token mean (`sage2_attention` adds the mean's share back)."""
     bsz, hq, sq_pad, d = staged.q8.shape
     hkv, skv_pad = staged.k8.shape[1], staged.k8.shape[2]
     sq, skv = staged.seq_q, staged.seq_kv
@@ -243,12 +248,12 @@ def sage2_attention_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, is_ca
     vs = staged.v_scale if pv_fp8 else staged.q_scale  # unused placeholder pointer in fp16 mode
     grid = (sq_pad // staged.block_m, bsz * hq)
     _sage2_fwd_kernel[grid](
-        staged.q8, staged.q_scale, staged.k8, staged.k_scale, v, vs, out,
+        staged.q8, staged.q_scale, staged.k8, staged.k_scale, v, vs, out, lse if lse is not None else out,
         *v.stride(), *out.stride(),
         hq, hkv, sq, skv, sq_pad, skv_pad, sq_pad // staged.block_m, skv_pad // staged.block_n,
         BLOCK_M=staged.block_m, BLOCK_N=staged.block_n, HEAD_DIM=d, IS_CAUSAL=bool(is_causal),
         PV_FP8=pv_fp8, INTERPRETED=interpreter_active(), OUT_BF16=out.dtype == torch.bfloat16,
-        num_warps=warps, num_stages=stages)
+        WRITE_LSE=lse is not None, num_warps=warps, num_stages=stages)
     return out
 
 
@@ -256,7 +261,8 @@ def sage2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
                     pv: str = "fp8", is_causal: bool = False, block_m: int | None = None,
                     block_n: int | None = None, num_warps: int | None = None,
                     num_stages: int | None = None, staging: StagingPool | None = None,
-                    kernel: str = "auto") -> torch.Tensor:
+                    kernel: str = "auto", return_lse: bool = False
+                    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """SageAttention2 forward: softmax(q k^T * scale) v for (B, H, S, D) fp16/bf16 inputs, GQA allowed.
 
     pv="fp8": P and V in FP8 e4m3 (V per-channel scaled); pv="fp16": P and V in fp16. Q/K are INT8 per tile
@@ -265,7 +271,8 @@ def sage2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     the quantised operands live in the pool's buffers (see `staging_keys`) instead of fresh memory; the output
     never does, and nothing of the pool is returned or kept. `kernel`: "gluon" runs the Hopper Gluon warp-specialised
     kernel (non-causal, D128, sm_90), "triton" the Triton kernel (whose tiles are block_m, block_n, num_warps and
-    num_stages), "auto" the choice of `choose_kernel` (Gluon where it serves)."""
+    num_stages), "auto" the choice of `choose_kernel` (Gluon where it serves). `return_lse`: also the natural
+    log-sum-exp (B, H, Sq) of the scaled scores in float32 (a ring-attention step needs it; the Triton kernel)."""
     validate_inputs(q, k, v, pv=pv, scale=scale)
     if not isinstance(is_causal, bool):
         raise ValueError(f"is_causal is {is_causal!r}; allowed: True, False")
@@ -276,7 +283,7 @@ def sage2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     if tiles_given and kernel == "gluon":
         raise ValueError("block_m, block_n, num_warps and num_stages are the Triton kernel's; "
                          "leave them unset with kernel='gluon'")
-    chosen = choose_kernel(q, pv, is_causal, "triton" if tiles_given else kernel)
+    chosen = choose_kernel(q, pv, is_causal, "triton" if tiles_given or return_lse else kernel)
     d = q.shape[-1]
     bm, bn = staging_tiles_for(q, pv, chosen)
     bm = block_m if block_m is not None else bm
@@ -285,11 +292,19 @@ def sage2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
         raise ValueError(f"block_n is {bn} with pv='fp8' on {q.device}; allowed: >= 32 (the FP8 P.V product's K)")
     sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
     if q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0:
-        return torch.empty((q.shape[0], q.shape[1], q.shape[2], d), dtype=q.dtype, device=q.device)
+        out = torch.empty((q.shape[0], q.shape[1], q.shape[2], d), dtype=q.dtype, device=q.device)
+        return (out, torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)) if return_lse else out
     staged = quantize_qkv(q, k, v, sm_scale=sm_scale, pv=pv, block_m=bm, block_n=bn, validate=False,
                           staging=staging, v_fp16=_v_fp16(pv, chosen))
     if chosen == "gluon":
         from .sage2_gluon import sage2_gluon_staged
         return sage2_gluon_staged(staged, out_dtype=q.dtype)
-    return sage2_attention_staged(staged, out_dtype=q.dtype, is_causal=is_causal, num_warps=num_warps,
-                                  num_stages=num_stages)
+    if not return_lse:
+        return sage2_attention_staged(staged, out_dtype=q.dtype, is_causal=is_causal, num_warps=num_warps,
+                                      num_stages=num_stages)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    out = sage2_attention_staged(staged, out_dtype=q.dtype, is_causal=is_causal, num_warps=num_warps,
+                                 num_stages=num_stages, lse=lse)
+    # the kernel saw K less its token mean: each row's log-sum-exp is lower by scale * q . mean(K)
+    k_mean = staged.k_mean.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # GQA: each query head's kv head
+    return out, lse.add_(torch.matmul(q.float(), k_mean.unsqueeze(-1)).squeeze(-1), alpha=sm_scale)

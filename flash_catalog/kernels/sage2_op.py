@@ -4,7 +4,8 @@ through it (a fake implementation gives the output's shape) and CUDA graphs can 
 The op runs `choose_kernel`'s "auto": the Gluon kernel on sm_90 (D128, non-causal), the Triton kernel
 otherwise. `staging` names a `StagingPool` by its handle ("" for none): the quantised operands then live in that
 pool's buffers, which persist between calls (a captured graph replays into the same addresses). The output is
-always a fresh tensor, so the op stays functional: no argument is mutated and nothing returned aliases the pool."""
+always a fresh tensor, so the op stays functional: no argument is mutated and nothing returned aliases the pool.
+`flash_catalog::sage2_attention_lse` also returns the log-sum-exp (the Triton kernel: ring-attention steps)."""
 
 from __future__ import annotations
 
@@ -24,3 +25,16 @@ def sage2_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, pv: str,
       is_causal: bool, staging: str = "") -> torch.Tensor:
     return q.new_empty(q.shape[:-1] + (v.shape[-1],))
+
+
+@torch.library.custom_op("flash_catalog::sage2_attention_lse", mutates_args=())
+def sage2_attention_lse_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, pv: str,
+                           is_causal: bool, staging: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    return sage2_attention(q, k, v, scale=scale, pv=pv, is_causal=is_causal, staging=pool_for(staging),
+                           return_lse=True)
+
+
+@sage2_attention_lse_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, pv: str,
+      is_causal: bool, staging: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    return q.new_empty(q.shape[:-1] + (v.shape[-1],)), q.new_empty(q.shape[:-1], dtype=torch.float32)

@@ -133,6 +133,7 @@ class Sage2Staged:
     v: torch.Tensor          # pv="fp8": (B, Hkv, D, Skv_pad) e4m3 V^T; pv="fp16": the caller's V, untouched,
     #                          or with v_fp16 its zero-padded fp16 copy (B, Hkv, Skv_pad, D)
     v_scale: torch.Tensor | None  # pv="fp8": (B, Hkv, D) fp32, amax/448 per channel; else None
+    k_mean: torch.Tensor     # (B, Hkv, D) fp32, the token mean taken off K (it shifts each row's log-sum-exp)
     pv: str
     block_m: int
     block_n: int
@@ -378,5 +379,6 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale:
         v_out, v_scale_out = v16, None
     else:
         v_out, v_scale_out = v, None
-    return Sage2Staged(q8=q8, q_scale=q_scale, k8=k8, k_scale=k_scale, v=v_out, v_scale=v_scale_out, pv=pv,
+    return Sage2Staged(q8=q8, q_scale=q_scale, k8=k8, k_scale=k_scale, v=v_out, v_scale=v_scale_out, k_mean=k_mean,
+                       pv=pv,
                        block_m=block_m, block_n=block_n, seq_q=sq, seq_kv=skv)
