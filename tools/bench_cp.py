@@ -143,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         rows[name]["speedup"] = base / rows[name]["ms"]
     result = {"header": {"model": args.model, "tiny": args.tiny, "tokens": tokens, "world_size": world,
                          "kind": kind, "degree": degree, "backend": backend, "profile": args.profile,
-                         "min_speedup": args.min_speedup,
-                         "steps": args.steps, "warmup": args.warmup, "command": " ".join(sys.argv),
+                         "min_speedup": args.min_speedup, "steps": args.steps, "warmup": args.warmup,
+                         "command": f"torchrun --nproc-per-node {world} " + " ".join(sys.argv),
                          "environment": bm.environment(device)},
               "rows": rows, "plans_identical": plans_identical, "detach_exact": exact, "plan": record}
     if rank == 0:
