@@ -75,7 +75,8 @@ def test_specs_list_labels_devices_masks_and_is_causal(capsys):
     out = capsys.readouterr().out
     sdpa = out.split("sdpa_dense  [attention_core, native]")[1].split("\n")[1:3]
     assert sdpa[0].strip() == "devices: CPU, CUDA; dtypes: float16, bfloat16, float32; requires: torch>=2.5"
-    assert sdpa[1].strip() == ("attn_mask kinds: none, all_pass; is_causal=True: served; GQA: served; any head dim")
+    assert sdpa[1].strip() == ("attn_mask kinds: none, all_pass; is_causal=True: served; GQA: served; "
+                               "log-sum-exp (ring steps): served; any head dim")
     flex = out.split("flex_blocksparse  [attention_core, native]")[1].split("\n")[2]
     assert "attn_mask kinds: key_padding, block_diagonal, causal, sliding_window; is_causal=True: not served" in flex
     assert "devices: CUDA sm>=89; dtypes: float16, bfloat16" in out.split("sage2_fp8  [")[1]

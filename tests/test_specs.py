@@ -162,7 +162,7 @@ def test_attention_fields_in_a_feed_forward_spec_are_refused(tmp_path):
     with pytest.raises(SpecError) as err:
         load_spec(write(tmp_path, text))
     assert [p.field for p in err.value.problems] == ["envelope.head_dims", "envelope.masks"]
-    assert "(head_dims, max_head_dim, min_seq, max_seq, masks, causal, gqa describe attention calls: " \
+    assert "(head_dims, max_head_dim, min_seq, max_seq, masks, causal, gqa, returns_lse describe attention calls: " \
            "attention_core specs only)" in str(err.value)
 
 
