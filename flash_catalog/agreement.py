@@ -108,15 +108,22 @@ class Agreement:
         return seconds if self.group is None else max(self._gather(seconds))
 
     def check(self, decisions: list[dict[str, Any]]) -> None:
-        """Raise on every rank unless every rank decided the same (its sites' outcomes, forms and figures)."""
+        """Raise on every rank unless every rank decided the same (its sites' outcomes, forms and figures), naming
+        the first site where they differ."""
         if self.group is None:
             return
-        digest = hashlib.sha256(json.dumps(decisions, sort_keys=True, default=str).encode()).hexdigest()
-        every = self._gather(digest)
-        if len(set(every)) != 1:
-            differ = [rank for rank, d in zip(self.record.decided_by, every) if d != every[0]]
-            raise RuntimeError(f"ranks decided differently (ranks {differ} differ from rank "
-                               f"{self.record.decided_by[0]}); the plans were not bound")
+        digests = [hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()
+                   for d in decisions]
+        every = self._gather(digests)
+        if all(d == every[0] for d in every):
+            return
+        ranks = self.record.decided_by if self.record is not None else tuple(range(len(every)))
+        differ = [rank for rank, d in zip(ranks, every) if d != every[0]]
+        first = next((i for i in range(max(map(len, every)))
+                      if len({tuple(d[i:i + 1]) for d in every}) > 1), 0)
+        site = decisions[first].get("name", "?") if first < len(decisions) else "(a site only some ranks have)"
+        raise RuntimeError(f"ranks decided differently (ranks {differ} differ from rank {ranks[0]}, first at "
+                           f"{site}); the plans were not bound")
 
 
 LOCAL = Agreement()

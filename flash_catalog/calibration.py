@@ -55,7 +55,7 @@ def ffn_key_fields(module: nn.Module, key: FfnKey) -> dict[str, Any]:
     """A feed-forward shape key as a receipt stores it (`ShapeRecord.key`), the architecture as a digest."""
     shape, dtype, device = key
     architecture = hashlib.sha256(repr(ffn_architecture(module)).encode()).hexdigest()[:16]
-    return {"x": list(shape), "dtype": dtype_name(dtype), "device": str(device), "module": architecture}
+    return {"x": list(shape), "dtype": dtype_name(dtype), "device": device.type, "module": architecture}
 
 
 def attention_contender(form: AttentionForm, site: str, call: AttentionCall) -> Contender:

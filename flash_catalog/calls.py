@@ -67,9 +67,11 @@ class ShapeKey(NamedTuple):
         return text
 
     def fields(self) -> dict[str, Any]:
-        """The key as a receipt stores it (`ShapeRecord.key`): plain JSON values, the mask's structure as a digest
-        (a padding or group layout can hold a flag per key)."""
+        """The key as a receipt stores it (`ShapeRecord.key`): plain JSON values, the device by its type (the
+        environment names the device), the mask's structure as a digest (a padding or group layout can hold a flag
+        per key)."""
         fields: dict[str, Any] = {k: list(v) if isinstance(v, tuple) else v for k, v in self._asdict().items()}
+        fields["device"] = self.device.split(":")[0]  # cuda, not cuda:1: the ranks of one model agree on keys
         structure = self.mask_structure
         fields["mask_structure"] = (hashlib.sha256(repr(structure).encode()).hexdigest()[:16]
                                     if structure is not None else None)

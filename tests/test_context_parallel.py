@@ -87,7 +87,7 @@ def _scenario(name: str, kind: str, out_dir: Path) -> dict:
     state = {k: v.clone() for k, v in host.model.state_dict().items()}
     result: dict = {"reference": reference, "host_cp": host_cp}
     if kind == "ring":  # a form that cannot return the log-sum-exp is refused at ring steps
-        spec = out_dir / "sdpa_no_lse.toml"
+        spec = out_dir / f"sdpa_no_lse_rank{torch.distributed.get_rank()}.toml"  # one file per rank: no race
         spec.write_text(NO_LSE_SPEC)
         plan = attach(host.model, inputs, attention_forms=["sdpa_no_lse"], min_speedup=0, timing_rounds=3,
                       catalog=Catalog.load([spec]))

@@ -227,3 +227,11 @@ def test_feed_forward_decisions_are_reused_through_the_same_path(tmp_path, timin
     assert torch.nn.functional.cosine_similarity(out.float().flatten(), reference.float().flatten(), dim=0) > 0.999
     detach(plan)
     assert torch.equal(run(host.model, inputs), reference)
+
+
+def test_a_stored_shape_key_names_the_device_by_its_type():
+    """Ranks of one context-parallel model run on cuda:0 and cuda:1: their keys (and receipts) must agree."""
+    from flash_catalog.calls import ShapeKey
+    key = ShapeKey("bshd", (1, 8, 2, 4), (1, 8, 2, 4), (1, 8, 2, 4), "bfloat16", "cuda:1", "none", None, None, None,
+                   False, None, False)
+    assert key.fields()["device"] == "cuda"
