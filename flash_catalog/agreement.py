@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import receipts
 from .gate import Accuracy, Timing, pseudo_median, signed_rank_interval
 
 COMBINE = "cosine: min over ranks; rel err: max; speed: per round the geometric mean of the ranks' ratios"
@@ -79,13 +80,22 @@ class Agreement:
         torch.distributed.all_gather_object(out, value, group=self.group)
         return out
 
-    def accuracy(self, accuracy: Accuracy | None) -> Accuracy | None:
-        """The worst accuracy over the ranks; None (the form failed) when it failed on any rank."""
+    def failure(self, error: BaseException | None) -> str | None:
+        """Why a step failed, in the same words on every rank: this rank's error, or the first failing rank's (named);
+        None where it failed on no rank. Every rank calls it, failed or not, so that none waits alone in a later
+        collective."""
+        text = None if error is None else receipts.error_text(error)
+        if self.group is None:
+            return text
+        every = self._gather(text)
+        ranks = self.record.decided_by if self.record is not None else tuple(range(len(every)))
+        return next((f"{why} on rank {rank}" for rank, why in zip(ranks, every) if why is not None), None)
+
+    def accuracy(self, accuracy: Accuracy) -> Accuracy:
+        """The worst accuracy over the ranks."""
         if self.group is None:
             return accuracy
-        every = self._gather(accuracy)
-        if any(a is None for a in every):
-            return None
+        every: list[Accuracy] = self._gather(accuracy)
         return Accuracy(min(a.cosine for a in every), max(a.max_rel_err for a in every))
 
     def timing(self, timing: Timing) -> Timing:

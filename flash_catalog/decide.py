@@ -238,34 +238,55 @@ def _measure(trial: Trial, contender: Contender, host_out: torch.Tensor, options
         return Measured(contender, None, None, *known, ())  # speed is per shape: no run can change the verdict
     started = time.perf_counter()
     failure: Exception | None = None
+    local: Accuracy | None = None
     try:
         built = contender.build()
         with torch.no_grad():
             out = built.run()
-    except Exception as exc:  # a form that cannot build or run here is refused, never fatal
-        failure = exc
-    if failure is None:
         if trial.device.type == "cuda":
             torch.cuda.synchronize(trial.device)
         clock.first_use(contender.name, time.perf_counter() - started)
         layout = stride_order(out[0] if isinstance(out, tuple) else out)
         local = measure_accuracy(out, host_out)
         del out
-    accuracy = options.agreement.accuracy(local if failure is None else None)  # every rank's figures combined
-    if accuracy is None:
-        record.trail.append(receipts.failed(contender.name, failure or RuntimeError("failed on another rank"),
-                                            trial.shape))
+    except Exception as exc:  # a form that cannot build or run here is refused, never fatal
+        failure = exc
+    why = options.agreement.failure(failure)  # on every rank, so that a rank's failure refuses the form on all
+    if why is not None or local is None:
+        record.trail.append(receipts.failed(contender.name, why or "no output", trial.shape))
         return None
+    accuracy = options.agreement.accuracy(local)  # every rank's figures combined
     floor = options.floor(contender.spec)
     if not accuracy.passes(floor):
         record.trail.append(receipts.below_floor(contender.name, accuracy, floor, trial.shape))
         return None
 
     def measure() -> Timing:
-        with torch.no_grad():
-            return options.agreement.timing(paired_speedup(trial.host, built.run, trial.device,
-                                                           rounds=options.rounds_for(trial.device),
-                                                           need=options.speedup_needed(contender.spec)))
+        local_timing: Timing | None = None
+        error: Exception | None = None
+        try:
+            with torch.no_grad():
+                local_timing = paired_speedup(trial.host, built.run, trial.device,
+                                              rounds=options.rounds_for(trial.device),
+                                              need=options.speedup_needed(contender.spec))
+        except Exception as exc:  # failing while timed (out of memory, say) refuses the form, as failing to run does
+            error = exc
+        why = options.agreement.failure(error)
+        if why is not None or local_timing is None:
+            raise _TimingFailed(why or "no timing")
+        return options.agreement.timing(local_timing)
 
-    timing, timed_at = timings.timed(contender.timing_key, trial.site, measure)
+    try:
+        timing, timed_at = timings.timed(contender.timing_key, trial.site, measure)
+    except _TimingFailed as failed:
+        record.trail.append(receipts.failed(contender.name, failed.why, trial.shape, stage="time"))
+        return None
     return Measured(contender, built, accuracy, timing, timed_at, layout)
+
+
+class _TimingFailed(Exception):
+    """The paired timing of a form failed on this rank or another; `why` says where and how (`Agreement.failure`)."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why

@@ -17,10 +17,15 @@ def refused(form: str, rule: str, shape: str) -> str:
     return f"{form}: {rule} at {shape}"
 
 
-def failed(form: str, exc: BaseException, shape: str, stage: str = "run") -> str:
+def error_text(exc: BaseException) -> str:
+    """An error as receipts quote it: its type and the first line of its message."""
     text = str(exc).strip()
-    message = text.splitlines()[0][:200] if text else ""
-    return f"{form}: failed to {stage} ({type(exc).__name__}: {message}) at {shape}"
+    return f"{type(exc).__name__}: {text.splitlines()[0][:200] if text else ''}"
+
+
+def failed(form: str, why: str, shape: str, stage: str = "run") -> str:
+    """`why`: `error_text` of the error (naming the rank, under context parallelism)."""
+    return f"{form}: failed to {stage} ({why}) at {shape}"
 
 
 def below_floor(form: str, accuracy: Accuracy, floor: AccuracyFloor, shape: str) -> str:

@@ -1,5 +1,6 @@
 """A deliberately inaccurate attention form (wrong softmax scale), to exercise the accuracy gate."""
 
+import torch
 import torch.nn.functional as F
 
 from flash_catalog.forms.base import AttentionForm, Runner
@@ -18,3 +19,27 @@ class WrongScale(AttentionForm):
 class Broken(AttentionForm):
     def build(self, call):
         raise RuntimeError("no kernel image for this device\nsecond line")
+
+
+class FailsWhenTimed(AttentionForm):
+    """Runs once (accurately) for the accuracy gate, then raises: a form that fails under paired timing, on every
+    rank (`failing_rank` None) or on one rank of a process group only."""
+
+    failing_rank: int | None = None
+
+    def build(self, call):
+        calls = [0]
+        fails_here = self.failing_rank is None or torch.distributed.get_rank() == self.failing_rank
+
+        def run(c):
+            calls[0] += 1
+            if calls[0] > 1 and fails_here:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return F.scaled_dot_product_attention(c.query, c.key, c.value, attn_mask=c.attn_mask,
+                                                  is_causal=c.is_causal, scale=c.scale, enable_gqa=c.enable_gqa)
+
+        return Runner(run, "fails when timed")
+
+
+class FailsWhenTimedOnRank1(FailsWhenTimed):
+    failing_rank = 1

@@ -395,6 +395,24 @@ def test_a_form_that_cannot_run_is_refused_and_the_next_one_tried(tmp_path, impl
     detach(plan)
 
 
+def test_a_form_that_fails_while_timed_is_refused_and_the_next_one_tried(tmp_path):
+    write_spec(tmp_path, "flaky", "noisy_form:FailsWhenTimed")
+    write_spec(tmp_path, "sdpa_dense")
+    host = build("flux")
+    inputs = host.inputs()
+    with torch.no_grad():
+        reference = host.model(**inputs)[0]
+    plan = attach(host.model, inputs, catalog=Catalog.load([tmp_path]), min_speedup=0,
+                  attention_forms=["flaky", "sdpa_dense"])
+    shape = plan.site("transformer_blocks.0.attn#0").shapes[0]
+    assert shape.trail[0] == ("flaky: failed to time (OutOfMemoryError: CUDA out of memory. Tried to allocate "
+                              "2.00 GiB) at q=(1,24,2,16)")
+    assert shape.outcome == "bound" and shape.form == "sdpa_dense"
+    detach(plan)
+    with torch.no_grad():
+        assert torch.equal(host.model(**inputs)[0], reference)
+
+
 @pytest.mark.parametrize("implementation,match", [
     ("no_such_module_abc:Form", r"allowed: an importable 'module:Class' \(no module 'no_such_module_abc'\)"),
     ("noisy_form:NoSuchClass", r"noisy_form has no 'NoSuchClass'"),

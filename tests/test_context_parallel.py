@@ -93,6 +93,14 @@ def _scenario(name: str, kind: str, out_dir: Path) -> dict:
                       catalog=Catalog.load([spec]))
         result["no_lse"] = [s.to_dict() for s in plan.sites]
         detach(plan)
+    if name == "wan" and kind == "ulysses":  # a form failing on rank 1 only: refused on both ranks, none waits alone
+        spec = out_dir / f"flaky_rank{torch.distributed.get_rank()}.toml"
+        spec.write_text(NO_LSE_SPEC.replace("sdpa_no_lse", "flaky").replace(
+            "flash_catalog.forms.sdpa_dense:SdpaDense", "noisy_form:FailsWhenTimedOnRank1"))
+        plan = attach(host.model, inputs, attention_forms=["flaky", "sdpa_dense"], min_speedup=0, timing_rounds=3,
+                      catalog=Catalog.load([spec], extend=True))
+        result["flaky"] = [s.to_dict() for s in plan.sites]
+        detach(plan)
     plan = attach(host.model, inputs, attention_forms=["sdpa_dense"], min_speedup=0, timing_rounds=3)
     result["attached"] = _run(host.model, inputs)
     result["sites"] = [s.to_dict() for s in plan.sites]
@@ -168,6 +176,14 @@ def test_wan_ulysses_serves_each_ranks_full_sequence_over_half_the_heads(tmp_pat
     assert {s["shapes"][0]["shape"].split(" ")[0] for s in attn1} == {"q=(1,32,1,12)"}
     for r in ranks:
         assert all(r["routed"][s["name"]] == 1 for s in attn1)
+    assert ranks[0]["flaky"] == ranks[1]["flaky"]  # rank 1's failure refused the form on both ranks alike
+    flaky = _self_attention(ranks[0]["flaky"], "attn1#0")
+    # the first site's timing fails on rank 1; the runner, kept per shape, then fails at once at the next site
+    for site, stage in zip(flaky, ("time", "run")):
+        assert site["shapes"][0]["trail"][0] == (
+            f"flaky: failed to {stage} (OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB on rank 1) "
+            "at q=(1,32,1,12)")
+        assert site["outcome"] == "bound" and site["form"] == "sdpa_dense"
 
 
 def test_ltx2_ulysses_binds_every_parallel_site_on_both_ranks(tmp_path):
