@@ -238,24 +238,23 @@ def _measure(trial: Trial, contender: Contender, host_out: torch.Tensor, options
         return Measured(contender, None, None, *known, ())  # speed is per shape: no run can change the verdict
     started = time.perf_counter()
     failure: Exception | None = None
-    local: Accuracy | None = None
+    out: Any = None
     try:
         built = contender.build()
         with torch.no_grad():
             out = built.run()
         if trial.device.type == "cuda":
             torch.cuda.synchronize(trial.device)
-        clock.first_use(contender.name, time.perf_counter() - started)
-        layout = stride_order(out[0] if isinstance(out, tuple) else out)
-        local = measure_accuracy(out, host_out)
-        del out
     except Exception as exc:  # a form that cannot build or run here is refused, never fatal
         failure = exc
     why = options.agreement.failure(failure)  # on every rank, so that a rank's failure refuses the form on all
-    if why is not None or local is None:
-        record.trail.append(receipts.failed(contender.name, why or "no output", trial.shape))
+    if why is not None:
+        record.trail.append(receipts.failed(contender.name, why, trial.shape))
         return None
-    accuracy = options.agreement.accuracy(local)  # every rank's figures combined
+    clock.first_use(contender.name, time.perf_counter() - started)
+    layout = stride_order(out[0] if isinstance(out, tuple) else out)
+    accuracy = options.agreement.accuracy(measure_accuracy(out, host_out))  # every rank's figures combined
+    del out
     floor = options.floor(contender.spec)
     if not accuracy.passes(floor):
         record.trail.append(receipts.below_floor(contender.name, accuracy, floor, trial.shape))

@@ -84,15 +84,15 @@ def test_a_failing_gate_during_calibration_names_the_site_and_restores_the_host(
     with torch.no_grad():
         reference = model(x)
 
-    def broken(*args, **kwargs):
-        raise RuntimeError("timer exploded")
+    def broken(*args, **kwargs):  # the library's own gate failing (a form failing is refused instead)
+        raise RuntimeError("accuracy check exploded")
 
-    monkeypatch.setattr(decide, "paired_speedup", broken)
+    monkeypatch.setattr(decide, "measure_accuracy", broken)
     try:
         attach(model, (x,), attention_forms=["sdpa_dense"], min_speedup=0)
     except AttachError as exc:
         assert "gating site layers.0#0 during the calibration call" in str(exc)
-        assert "timer exploded" in str(exc)
+        assert "accuracy check exploded" in str(exc)
     else:
         raise AssertionError("attach should have failed")
     assert F.scaled_dot_product_attention is torch.nn.functional.scaled_dot_product_attention
