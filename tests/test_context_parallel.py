@@ -106,6 +106,16 @@ def _scenario(name: str, kind: str, out_dir: Path) -> dict:
     result["sites"] = [s.to_dict() for s in plan.sites]
     result["parallel"] = plan.to_dict()["parallel"]
     result["routed"], result["fallbacks"] = plan.routed, plan.fallbacks
+    if name == "wan" and kind == "ulysses":  # re-attached from rank 0's receipt on every rank: nothing timed
+        receipt = out_dir / "receipt.json"
+        if torch.distributed.get_rank() == 0:
+            plan.save(receipt)
+        torch.distributed.barrier()
+        detach(plan)
+        plan = attach(host.model, inputs, attention_forms=["sdpa_dense"], min_speedup=0, timing_rounds=3,
+                      plan=receipt)
+        result["reused"] = [s.to_dict() for s in plan.sites]
+        result["attached_again"] = _run(host.model, inputs)
     if name == "wan":  # regional compilation of the attached parallel model: no graph break, the same outputs
         from torch._dynamo.utils import counters
 
@@ -177,6 +187,12 @@ def test_wan_ulysses_serves_each_ranks_full_sequence_over_half_the_heads(tmp_pat
     for r in ranks:
         assert all(r["routed"][s["name"]] == 1 for s in attn1)
     assert ranks[0]["flaky"] == ranks[1]["flaky"]  # rank 1's failure refused the form on both ranks alike
+    assert ranks[0]["reused"] == ranks[1]["reused"]
+    for fresh, reused in zip(ranks[0]["sites"], ranks[0]["reused"]):
+        assert (reused["outcome"], reused["form"]) == (fresh["outcome"], fresh["form"])
+        assert all(shape["basis"] == "reused" for shape in reused["shapes"]), reused
+    for r in ranks:
+        assert torch.equal(r["attached_again"], r["attached"])
     flaky = _self_attention(ranks[0]["flaky"], "attn1#0")
     # the first site's timing fails on rank 1; the runner, kept per shape, then fails at once at the next site
     for site, stage in zip(flaky, ("time", "run")):
