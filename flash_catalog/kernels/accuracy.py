@@ -11,8 +11,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .interpreter import interpreted
-
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 BLOCK = 1024
 ITERS = 16  # blocks per program: partials stay few (one row per 16K elements)
@@ -56,11 +54,6 @@ def kernel_serves(a: torch.Tensor, b: torch.Tensor) -> bool:
     """True where the gate uses the kernel: CUDA tensors of float dtypes (on CPU the torch path is faster than the
     interpreter, which only tests run, through `accuracy_sums` directly)."""
     return a.device.type == "cuda" and a.device == b.device and a.dtype in DTYPES and b.dtype in DTYPES
-
-
-def kernel_runs_on(device: torch.device) -> bool:
-    """True when `accuracy_sums` can run for tensors on `device` (CUDA, or CPU under the interpreter)."""
-    return device.type == "cuda" or (device.type == "cpu" and interpreted(_accuracy_partials))
 
 
 def accuracy_sums(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
