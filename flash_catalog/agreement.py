@@ -17,13 +17,16 @@ import json
 import math
 import statistics
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from torch import nn
 
 from . import receipts
 from .gate import Accuracy, Timing, pseudo_median, signed_rank_interval
+
+if TYPE_CHECKING:
+    from .plan import SiteRecord
 
 COMBINE = "cosine: min over ranks; rel err: max; speed: per round the geometric mean of the ranks' ratios"
 
@@ -73,6 +76,11 @@ class Agreement:
     def parallel(self) -> bool:
         return self.group is not None
 
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The ranks of the group, in the order a gather returns their values."""
+        return self.record.decided_by if self.record is not None else (0,)
+
     def _gather(self, value: Any) -> list[Any]:
         if self.group is None:
             return [value]
@@ -88,8 +96,7 @@ class Agreement:
         if self.group is None:
             return text
         every = self._gather(text)
-        ranks = self.record.decided_by if self.record is not None else tuple(range(len(every)))
-        return next((f"{why} on rank {rank}" for rank, why in zip(ranks, every) if why is not None), None)
+        return next((f"{why} on rank {rank}" for rank, why in zip(self.ranks, every) if why is not None), None)
 
     def accuracy(self, accuracy: Accuracy) -> Accuracy:
         """The worst accuracy over the ranks."""
@@ -117,22 +124,21 @@ class Agreement:
         that every rank picks the same variant."""
         return seconds if self.group is None else max(self._gather(seconds))
 
-    def check(self, decisions: list[dict[str, Any]]) -> None:
+    def check(self, records: Sequence[SiteRecord]) -> None:
         """Raise on every rank unless every rank decided the same (its sites' outcomes, forms and figures), naming
-        the first site where they differ."""
+        the first site where they differ. One process: nothing to compare, nothing serialised."""
         if self.group is None:
             return
-        digests = [hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()
-                   for d in decisions]
+        digests = [hashlib.sha256(json.dumps(r.to_dict(), sort_keys=True, default=str).encode()).hexdigest()
+                   for r in records]
         every = self._gather(digests)
         if all(d == every[0] for d in every):
             return
-        ranks = self.record.decided_by if self.record is not None else tuple(range(len(every)))
-        differ = [rank for rank, d in zip(ranks, every) if d != every[0]]
+        differ = [rank for rank, d in zip(self.ranks, every) if d != every[0]]
         first = next((i for i in range(max(map(len, every)))
                       if len({tuple(d[i:i + 1]) for d in every}) > 1), 0)
-        site = decisions[first].get("name", "?") if first < len(decisions) else "(a site only some ranks have)"
-        raise RuntimeError(f"ranks decided differently (ranks {differ} differ from rank {ranks[0]}, first at "
+        site = records[first].name if first < len(records) else "(a site only some ranks have)"
+        raise RuntimeError(f"ranks decided differently (ranks {differ} differ from rank {self.ranks[0]}, first at "
                            f"{site}); the plans were not bound")
 
 

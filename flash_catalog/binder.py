@@ -136,7 +136,7 @@ def attach(model: nn.Module | Any, example: Example, *, attention_forms: Sequenc
         binding_started = time.perf_counter()
         records = _attention_records(adapter, host, modules, installation, calibration)
         records += _ffn_records(ffn_sites, calibration)
-        agreement.check([r.to_dict() for r in records])
+        agreement.check(records)
         bound_ffn = [s for s in ffn_sites if s.replacement is not None]
         for site in ffn_sites:
             if site.replacement is None:
