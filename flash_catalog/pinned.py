@@ -4,8 +4,8 @@ Torch's pinned allocator rounds every block up to a power of two and page-locks 
 moving a large model's bound weights off the device the slowest part of an attach (notes/compile.md). Here each
 copy gets an exact-size allocation with a spare page on either side, so the whole pages it covers belong to it
 alone, and those pages are touched in parallel, then registered with CUDA (`cudaHostRegister`); they are
-unregistered when the copy is released, or when it is collected. (Torch reports such memory as not pinned:
-`is_pinned` knows only its own allocator; the driver copies it as page-locked memory all the same.) Where
+unregistered when the copy is released, or when it is collected. (Torch's `is_pinned` does not always
+report such memory as pinned; the driver copies it as page-locked memory all the same.) Where
 registering is not available or fails, torch's pinned allocator serves.
 """
 

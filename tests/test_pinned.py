@@ -16,7 +16,8 @@ def test_a_copy_is_exact_and_keeps_the_strides(shape):
     assert torch.equal(copy.tensor, t.cpu())
     registered = t.numel() * t.element_size() >= REGISTER_MIN_BYTES
     assert (copy._region is not None) == registered
-    assert copy.tensor.is_pinned() != registered  # torch's allocator pins the small ones
+    if not registered:
+        assert copy.tensor.is_pinned()  # torch's allocator pins the small ones (it may not know registered pages)
     back = torch.empty_like(t)
     back.copy_(copy.tensor, non_blocking=True)  # from page-locked memory: an asynchronous DMA
     torch.cuda.synchronize()
