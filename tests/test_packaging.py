@@ -14,6 +14,8 @@ def test_project_metadata():
     assert "Apache License" in (ROOT / "LICENSE").read_text() and "Version 2.0" in (ROOT / "LICENSE").read_text()
     assert "torch>=2.5" in project["dependencies"]
     assert project["optional-dependencies"]["triton"] == ["triton>=3.2"]
+    assert {req.split(">=")[0] for req in project["optional-dependencies"]["cuda"]} == {
+        "nvidia-cuda-nvcc", "nvidia-cuda-runtime", "nvidia-cuda-cccl"}  # a pip-only toolchain: see cuda_build.py
     assert "Typing :: Typed" in project["classifiers"]
     assert set(project["urls"]) >= {"Homepage", "Repository", "Issues"}
 
