@@ -280,13 +280,22 @@ def _quant_int8_kernel(X, MEAN, XQ, XS, V, V16,
 def _quant_v_fp8_kernel(V, VINV, VT8,
                         stride_vb, stride_vh, stride_vs, stride_vd,
                         H_KV, SEQ_KV, SEQ_PAD,
-                        BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr, INTERPRETED: tl.constexpr):
-    """One block of BLOCK_T tokens of one (batch, kv head): per-channel FP8 e4m3, stored transposed as V^T[d, t]."""
+                        BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr, INTERPRETED: tl.constexpr,
+                        MMA_ORDER: tl.constexpr):
+    """One block of BLOCK_T tokens of one (batch, kv head): per-channel FP8 e4m3, stored transposed as V^T[d, t].
+    MMA_ORDER: within every 32 tokens, token 8a + 2t + b goes to column 16(a >> 1) + 4t + 2(a & 1) + b, the k-index
+    at which the CUDA kernel's FP8 MMA meets the P value its score registers hold for that token. The tokens are
+    gathered in that order (whole rows) so that the stores stay contiguous: scattering the bytes on the store
+    measured about ten times slower."""
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H_KV
     h = pid_bh % H_KV
-    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows = cols
+    if MMA_ORDER:  # column k = 16A + 4t + 2a + b holds token 16A + 8a + 2t + b of its 32
+        k = tl.arange(0, BLOCK_T)
+        rows = pid_t * BLOCK_T + (k // 16) * 16 + ((k // 2) % 2) * 8 + ((k // 4) % 4) * 2 + k % 2
     offs_d = tl.arange(0, HEAD_DIM)
     valid = (rows < SEQ_KV)[:, None]
     ptr = _token_tile(V, b, h, rows, offs_d, stride_vb, stride_vh, stride_vs, stride_vd)
@@ -296,7 +305,7 @@ def _quant_v_fp8_kernel(V, VINV, VT8,
     if INTERPRETED:  # make the fp8 cast exact: the interpreter's own fp32->e4m3 rounding is wrong
         y = round_to_e4m3(y)
     yt = tl.trans(y.to(tl.float8e4nv))                                     # [HEAD_DIM, BLOCK_T]
-    out = VT8 + pid_bh.to(tl.int64) * HEAD_DIM * SEQ_PAD + offs_d[:, None] * SEQ_PAD + rows[None, :]
+    out = VT8 + pid_bh.to(tl.int64) * HEAD_DIM * SEQ_PAD + offs_d[:, None] * SEQ_PAD + cols[None, :]
     tl.store(out, yt)
 
 
@@ -310,14 +319,16 @@ def _cdiv(a: int, b: int) -> int:
 
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
                  pv: str = "fp8", block_m: int = 128, block_n: int = 64, num_warps: int | None = None,
-                 validate: bool = True, staging: StagingPool | None = None, v_fp16: bool = False) -> Sage2Staged:
+                 validate: bool = True, staging: StagingPool | None = None, v_fp16: bool = False,
+                 v_mma_order: bool = False) -> Sage2Staged:
     """Stage q, k, v for the SageAttention2 kernel: Q is read once, K twice (a stats pass, then quantise), V twice
     for pv="fp8" (stats, then quantise), once with `v_fp16` (copied in K's quantise pass), else not at all.
 
     The caller's tensors are only read. `block_m`/`block_n` must match the attention kernel's tiles: the
     Q and K scales are per tile. With `staging`, the buffers (see `staging_layout`) are the pool's, keyed by
     variant `pv`: the result is valid only until the pool's next use, so consume it and drop it. `v_fp16`
-    (pv="fp16"): stage V as a zero-padded fp16 copy (the Gluon kernel's layout) instead of passing it through."""
+    (pv="fp16"): stage V as a zero-padded fp16 copy (the Gluon kernel's layout) instead of passing it through.
+    `v_mma_order` (pv="fp8"): store V^T's tokens in the CUDA kernel's FP8 MMA order (permuted within every 32)."""
     if validate:
         validate_inputs(q, k, v, pv=pv, scale=sm_scale)
     for name, blk in (("block_m", block_m), ("block_n", block_n)):
@@ -328,6 +339,8 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale:
     dev = q.device
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(d)
+    if v_mma_order and pv != "fp8":
+        raise ValueError(f"v_mma_order=True orders V^T for pv='fp8'; got pv={pv!r}")
     if v_fp16 and pv != "fp16":
         raise ValueError(f"v_fp16=True stages V for pv='fp16'; got pv={pv!r}")
     layout = staging_layout(q.shape, k.shape, pv=pv, block_m=block_m, block_n=block_n, v_fp16=v_fp16)
@@ -373,7 +386,7 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale:
         vt8 = buf["vt8"]
         _quant_v_fp8_kernel[(n_kb, bsz * hkv)](
             v, v_inv, vt8, *v.stride(), hkv, skv, skv_pad,
-            BLOCK_T=block_n, HEAD_DIM=d, INTERPRETED=exact, num_warps=warps)
+            BLOCK_T=block_n, HEAD_DIM=d, INTERPRETED=exact, MMA_ORDER=v_mma_order, num_warps=warps)
         v_out, v_scale_out = vt8, v_scale
     elif v_fp16:
         v_out, v_scale_out = v16, None
