@@ -5,7 +5,9 @@ The op runs `choose_kernel`'s "auto": the Gluon kernel on sm_90 (D128, non-causa
 otherwise. `staging` names a `StagingPool` by its handle ("" for none): the quantised operands then live in that
 pool's buffers, which persist between calls (a captured graph replays into the same addresses). The output is
 always a fresh tensor, so the op stays functional: no argument is mutated and nothing returned aliases the pool.
-`flash_catalog::sage2_attention_lse` also returns the log-sum-exp (the Triton kernel: ring-attention steps)."""
+`flash_catalog::sage2_attention_lse` also returns the log-sum-exp (the Triton kernel: ring-attention steps).
+`flash_catalog::sage2_cuda_attention` runs the CUDA C++ Hopper kernel (pv="fp8"), a form of its own so that the
+gate, not this op, chooses between it and the others per shape."""
 
 from __future__ import annotations
 
@@ -38,3 +40,17 @@ def sage2_attention_lse_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, pv: str,
       is_causal: bool, staging: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     return q.new_empty(q.shape[:-1] + (v.shape[-1],)), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("flash_catalog::sage2_cuda_attention", mutates_args=())
+def sage2_cuda_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
+                            is_causal: bool, staging: str = "") -> torch.Tensor:
+    """The CUDA C++ kernel (`sage2_cuda`, pv="fp8"); opaque to the compiler, like the Triton and Gluon kernels."""
+    from .sage2_cuda import sage2_cuda_attention
+    return sage2_cuda_attention(q, k, v, scale=scale, is_causal=is_causal, staging=pool_for(staging))
+
+
+@sage2_cuda_attention_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, is_causal: bool,
+      staging: str = "") -> torch.Tensor:
+    return q.new_empty(q.shape[:-1] + (v.shape[-1],))

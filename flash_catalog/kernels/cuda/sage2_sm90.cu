@@ -1,0 +1,513 @@
+// sage2 attention for Hopper (sm_90a) in CUDA C++: INT8 Q.K^T with s32 accumulation, FP8 e4m3 P.V with two-level
+// fp32 accumulation, on the staging of `flash_catalog.kernels.sage2_quant.quantize_qkv` (block_m 64, block_n 128,
+// V^T keys in this kernel's MMA order: `v_mma_order=True`).
+//
+// One CTA: 64 * NC query rows of one (batch, head), NC = 3 consumer warpgroups of 64 rows and a producer
+// warpgroup (one thread issues the TMA loads of the Q tiles and of a ring of K / V^T tiles, completing on
+// mbarriers; setmaxnreg gives its registers to the consumers). A consumer runs, per 128-key block: the INT8
+// Q.K^T wgmma (s32), the online softmax, the FP8 P.V wgmma into a fresh fp32 block, then O = O * alpha + block:
+// the FP8 MMA's own accumulator is reduced-precision, so it never carries more than one key block (two-level
+// accumulation). Three consumers share the tensor cores, so one's softmax can run under the others' MMAs; two
+// consumers with 240 registers each, taking turns at the tensor cores FA3-style, measured slower, and a
+// warpgroup overlapping its own softmax with its P.V needs a second accumulator in flight, which spilled.
+//
+// P leaves the softmax as e4m3 packed straight from the score registers into the A-operand registers of the
+// FP8 wgmma. The score layout (thread holds keys 8a+2t+{0,1}) and the A layout (thread holds k 4t..4t+3 and
+// 16+4t..) differ; rather than shuffling bytes, the quantiser stores V^T's keys permuted within every 32 so that
+// MMA k-index 16*(a>>1) + 4t + 2*(a&1) + b holds key 8a + 2t + b (sum over k is order-free).
+//
+// Exposed to Python through ctypes (no torch headers): fc_sage2_sm90_fp8() launches on a given stream and
+// returns 0, or an error code with fc_sage2_sm90_error() saying what.
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <cudaTypedefs.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <climits>
+#include <mutex>
+
+namespace {
+
+constexpr int kBlockN = 128;       // keys per block
+constexpr float kLog2PScale = 8.807354922057604f;  // log2(448): P is scaled into e4m3's range
+constexpr int kMagicInt = 0x4B400000;               // bits of 1.5 * 2^23: int -> float with an add
+constexpr float kMagicFloat = 12582912.0f;
+
+// ------------------------------------------------------------------------------------------------------------------
+// PTX wrappers
+// ------------------------------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(smem_u32(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+__device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1,
+                                            int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];"
+      ::"r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+// Registers an asynchronous wgmma writes or reads: the empty asm pins them in place around issue and wait, so the
+// compiler neither reads them early nor reuses them while the tensor cores still own them.
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void fence_regs(int32_t (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void fence_regs(uint32_t (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
+
+// Shared-memory matrix descriptor of a K-major tile whose rows are `row_bytes` (64 or 128) long, swizzled by the
+// TMA load with the same width; 8-row groups are 8 * row_bytes apart.
+__device__ __forceinline__ uint64_t smem_desc(const void* tile, int row_bytes) {
+  const uint32_t addr = smem_u32(tile);
+  uint64_t desc = (addr & 0x3FFFF) >> 4;
+  desc |= uint64_t(1) << 16;                              // leading byte offset: unused by swizzled K-major
+  desc |= uint64_t((8 * row_bytes) >> 4) << 32;           // stride byte offset
+  desc |= uint64_t(row_bytes == 128 ? 1 : 2) << 62;       // 128B or 64B swizzle
+  return desc;
+}
+
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Two fp32 values to e4m3 (round to nearest even, saturating), `lo` in the low byte.
+__device__ __forceinline__ uint32_t pack_e4m3x2(float lo, float hi) {
+  uint16_t r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// D(64 x 128, s32) = A(64 x 32, s8, smem) . B(128 x 32, s8, smem)^T, both K-major; _first overwrites D.
+__device__ __forceinline__ void wgmma_s8_m64n128k32_first(int32_t (&d)[64], uint64_t desc_a, uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p;\n}\n"
+      : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]), "=r"(d[4]), "=r"(d[5]), "=r"(d[6]), "=r"(d[7]), "=r"(d[8]), "=r"(d[9]), "=r"(d[10]), "=r"(d[11]), "=r"(d[12]), "=r"(d[13]), "=r"(d[14]), "=r"(d[15]), "=r"(d[16]), "=r"(d[17]), "=r"(d[18]), "=r"(d[19]), "=r"(d[20]), "=r"(d[21]), "=r"(d[22]), "=r"(d[23]), "=r"(d[24]), "=r"(d[25]), "=r"(d[26]), "=r"(d[27]), "=r"(d[28]), "=r"(d[29]), "=r"(d[30]), "=r"(d[31]), "=r"(d[32]), "=r"(d[33]), "=r"(d[34]), "=r"(d[35]), "=r"(d[36]), "=r"(d[37]), "=r"(d[38]), "=r"(d[39]), "=r"(d[40]), "=r"(d[41]), "=r"(d[42]), "=r"(d[43]), "=r"(d[44]), "=r"(d[45]), "=r"(d[46]), "=r"(d[47]), "=r"(d[48]), "=r"(d[49]), "=r"(d[50]), "=r"(d[51]), "=r"(d[52]), "=r"(d[53]), "=r"(d[54]), "=r"(d[55]), "=r"(d[56]), "=r"(d[57]), "=r"(d[58]), "=r"(d[59]), "=r"(d[60]), "=r"(d[61]), "=r"(d[62]), "=r"(d[63])
+      : "l"(desc_a), "l"(desc_b));
+}
+
+__device__ __forceinline__ void wgmma_s8_m64n128k32(int32_t (&d)[64], uint64_t desc_a, uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p;\n}\n"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31]), "+r"(d[32]), "+r"(d[33]), "+r"(d[34]), "+r"(d[35]), "+r"(d[36]), "+r"(d[37]), "+r"(d[38]), "+r"(d[39]), "+r"(d[40]), "+r"(d[41]), "+r"(d[42]), "+r"(d[43]), "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]), "+r"(d[48]), "+r"(d[49]), "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]), "+r"(d[56]), "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]), "+r"(d[62]), "+r"(d[63])
+      : "l"(desc_a), "l"(desc_b));
+}
+
+// D(64 x N, f32) = A(64 x 32, e4m3, registers) . B(N x 32, e4m3, smem)^T, B K-major; _first overwrites D.
+__device__ __forceinline__ void wgmma_e4m3_m64n128k32_first(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]), "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]), "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]), "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31]), "=f"(d[32]), "=f"(d[33]), "=f"(d[34]), "=f"(d[35]), "=f"(d[36]), "=f"(d[37]), "=f"(d[38]), "=f"(d[39]), "=f"(d[40]), "=f"(d[41]), "=f"(d[42]), "=f"(d[43]), "=f"(d[44]), "=f"(d[45]), "=f"(d[46]), "=f"(d[47]), "=f"(d[48]), "=f"(d[49]), "=f"(d[50]), "=f"(d[51]), "=f"(d[52]), "=f"(d[53]), "=f"(d[54]), "=f"(d[55]), "=f"(d[56]), "=f"(d[57]), "=f"(d[58]), "=f"(d[59]), "=f"(d[60]), "=f"(d[61]), "=f"(d[62]), "=f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+
+__device__ __forceinline__ void wgmma_e4m3_m64n128k32(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+
+__device__ __forceinline__ void wgmma_e4m3_m64n64k32_first(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]), "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]), "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]), "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+
+__device__ __forceinline__ void wgmma_e4m3_m64n64k32(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+
+
+// ------------------------------------------------------------------------------------------------------------------
+// The kernel
+// ------------------------------------------------------------------------------------------------------------------
+
+struct Params {
+  const float* q_scale;  // (B*Hq, n_qb): per 64-row tile, softmax scale * log2(e) folded in
+  const float* k_scale;  // (B*Hkv, n_kb): per 128-key tile
+  const float* v_scale;  // (B*Hkv, D): per channel, amax / 448
+  void* out;             // (B, Hq, Sq, D), unit stride along D
+  long long stride_ob, stride_oh, stride_os;
+  int hq, hkv, sq, skv, n_qb, n_kb, out_bf16;
+};
+
+template <int D, int NC, int STAGES>
+struct SharedStorage {
+  alignas(1024) int8_t q[64 * NC * D];
+  alignas(1024) int8_t k[STAGES][kBlockN * D];
+  alignas(1024) uint8_t v[STAGES][D * kBlockN];  // V^T tiles: D rows of 128 keys
+  uint64_t full[STAGES];
+  uint64_t empty[STAGES];
+  uint64_t q_full;
+};
+
+// Online softmax of one 64 x 128 score block held as the wgmma accumulator (thread: rows r0, r0 + 8; keys
+// 8*j + 2t + {0, 1} for j < 16). Scores are exact int32 dot products; `c` = q_scale * k_scale turns them into the
+// log2 domain. P leaves as e4m3 (scaled by 448) in the FP8 wgmma's A-register order; `l` gets this thread's part of
+// the row sums of the fp32 P (the quad's parts are added at the end); `alpha` rescales the rows' earlier sums. MASKED: keys >= skv, and keys past the row when causal, take no softmax mass.
+template <bool MASKED, bool CAUSAL>
+__device__ __forceinline__ void softmax_block(int32_t (&s)[64], float c, float (&m)[2], float (&l)[2],
+                                              float (&alpha)[2], uint32_t (&p)[16], int col0, int r0, int skv) {
+  const int t = threadIdx.x & 3;
+  if constexpr (MASKED) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int col = col0 + 8 * j + 2 * t + (i & 1);
+        const int row = r0 + 8 * (i >> 1);
+        const bool valid = col < skv && (!CAUSAL || col <= row);
+        if (!valid) s[4 * j + i] = INT_MIN;
+      }
+    }
+  }
+  int mx[2] = {INT_MIN, INT_MIN};
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    mx[0] = max(mx[0], max(s[4 * j], s[4 * j + 1]));
+    mx[1] = max(mx[1], max(s[4 * j + 2], s[4 * j + 3]));
+  }
+  float shift[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    mx[h] = max(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+    mx[h] = max(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+    const float block_max = mx[h] == INT_MIN ? -INFINITY : static_cast<float>(mx[h]) * c;
+    const float m_new = fmaxf(m[h], block_max);
+    const bool none = m_new == -INFINITY;  // no key of this row seen yet (not reachable: key 0 is in block 0)
+    alpha[h] = none ? 1.0f : ex2(m[h] - m_new);
+    m[h] = m_new;
+    shift[h] = none ? 0.0f : m_new - kLog2PScale;
+  }
+  float sum[2] = {0.0f, 0.0f};
+  // P for key j (of 16 groups of 8) and row half h, as two e4m3 bytes
+  auto pair = [&](int j, int h) -> uint32_t {
+    float e[2];
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      const int32_t v = s[4 * j + 2 * h + b];
+      const float f = __int_as_float(v + kMagicInt) - kMagicFloat;
+      const float x = (MASKED && v == INT_MIN) ? -INFINITY : fmaf(f, c, -shift[h]);
+      e[b] = ex2(x);
+    }
+    sum[h] += e[0] + e[1];
+    return pack_e4m3x2(e[0], e[1]);
+  };
+#pragma unroll
+  for (int kc = 0; kc < 4; ++kc) {
+    p[4 * kc + 0] = pair(4 * kc + 0, 0) | (pair(4 * kc + 1, 0) << 16);
+    p[4 * kc + 1] = pair(4 * kc + 0, 1) | (pair(4 * kc + 1, 1) << 16);
+    p[4 * kc + 2] = pair(4 * kc + 2, 0) | (pair(4 * kc + 3, 0) << 16);
+    p[4 * kc + 3] = pair(4 * kc + 2, 1) | (pair(4 * kc + 3, 1) << 16);
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) l[h] = l[h] * alpha[h] + sum[h];
+}
+
+template <int D>
+__device__ __forceinline__ void qk_block(int32_t (&s)[64], uint64_t desc_q, uint64_t desc_k) {
+  wgmma_s8_m64n128k32_first(s, desc_q, desc_k);
+#pragma unroll
+  for (int kk = 1; kk < D / 32; ++kk) wgmma_s8_m64n128k32(s, desc_q + 2 * kk, desc_k + 2 * kk);
+}
+
+// P.V over one 128-key block into a fresh fp32 accumulator.
+template <int D>
+__device__ __forceinline__ void pv_block(float (&o)[D / 2], const uint32_t (&p)[16], uint64_t desc_v) {
+#pragma unroll
+  for (int kc = 0; kc < 4; ++kc) {
+    const uint32_t a[4] = {p[4 * kc], p[4 * kc + 1], p[4 * kc + 2], p[4 * kc + 3]};
+    if constexpr (D == 128) {
+      if (kc == 0) wgmma_e4m3_m64n128k32_first(o, a, desc_v); else wgmma_e4m3_m64n128k32(o, a, desc_v + 2 * kc);
+    } else {
+      if (kc == 0) wgmma_e4m3_m64n64k32_first(o, a, desc_v); else wgmma_e4m3_m64n64k32(o, a, desc_v + 2 * kc);
+    }
+  }
+}
+
+template <int D, int NC, int STAGES, bool CAUSAL>
+__global__ void __launch_bounds__(128 * (NC + 1), 1)
+    sage2_fp8_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                          const __grid_constant__ CUtensorMap tm_v, const Params prm) {
+  constexpr int kRows = 64 * NC;  // query rows of one CTA
+  extern __shared__ uint8_t smem_raw[];
+  using Smem = SharedStorage<D, NC, STAGES>;
+  Smem& sm = *reinterpret_cast<Smem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+
+  const int m_block = CAUSAL ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x);
+  const int bh = blockIdx.y;
+  const int b = bh / prm.hq;
+  const int h = bh % prm.hq;
+  const int bhk = b * prm.hkv + h / (prm.hq / prm.hkv);
+  const int m_base = m_block * kRows;
+  int n_kv = (prm.skv + kBlockN - 1) / kBlockN;
+  if constexpr (CAUSAL) n_kv = min(n_kv, (min(m_base + kRows, prm.sq) - 1) / kBlockN + 1);
+
+  const int wg = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int i = 0; i < STAGES; ++i) {
+      mbar_init(&sm.full[i], 1);
+      mbar_init(&sm.empty[i], 4 * NC);  // lane 0 of each consumer warp
+    }
+    mbar_init(&sm.q_full, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == 0) {  // producer: one thread issues every TMA load
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+    if (threadIdx.x == 0) {
+      mbar_expect_tx(&sm.q_full, kRows * D);
+#pragma unroll
+      for (int i = 0; i < NC; ++i) tma_load_3d(sm.q + i * 64 * D, &tm_q, &sm.q_full, 0, m_base + 64 * i, bh);
+      for (int j = 0; j < n_kv; ++j) {
+        const int slot = j % STAGES;
+        mbar_wait(&sm.empty[slot], ((j / STAGES) & 1) ^ 1);
+        mbar_expect_tx(&sm.full[slot], 2 * kBlockN * D);
+        tma_load_3d(sm.k[slot], &tm_k, &sm.full[slot], 0, j * kBlockN, bhk);
+        tma_load_3d(sm.v[slot], &tm_v, &sm.full[slot], j * kBlockN, 0, bhk);
+      }
+    }
+    return;
+  }
+  static_assert(NC == 3, "the register split below is for three consumer warpgroups and a producer");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 160;\n" ::: "memory");
+
+  const int cw = wg - 1;  // this consumer's 64 rows start at m_base + 64 * cw
+  const int tid = threadIdx.x % 128;
+  const int lane = tid % 32;
+  const int r0 = m_base + cw * 64 + (tid / 32) * 16 + lane / 4;
+  const float q_scale = prm.q_scale[static_cast<long long>(bh) * prm.n_qb + min(m_block * NC + cw, prm.n_qb - 1)];
+  const float* k_scale = prm.k_scale + static_cast<long long>(bhk) * prm.n_kb;
+  const uint64_t desc_q = smem_desc(sm.q + cw * 64 * D, D);
+  // blocks [0, n_plain) need no mask: every key exists and, when causal, lies at or before this warpgroup's rows
+  const int n_plain = CAUSAL ? min(prm.skv / kBlockN, (m_base + cw * 64 + 1) / kBlockN) : prm.skv / kBlockN;
+
+  float o[D / 2];
+  float ob[D / 2];  // one key block's P.V
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
+  int32_t s[64];
+  uint32_t p[16];
+  float m[2] = {-INFINITY, -INFINITY};
+  float l[2] = {0.0f, 0.0f};
+  float alpha[2];
+
+  mbar_wait(&sm.q_full, 0);
+  // Per key block: Q.K^T, the softmax, P.V into a fresh fp32 block, then O = O * alpha + block. The other
+  // consumers' MMAs fill the tensor cores while this one runs its softmax.
+  for (int j = 0; j < n_kv; ++j) {
+    const int slot = j % STAGES;
+    mbar_wait(&sm.full[slot], (j / STAGES) & 1);
+    wgmma_fence();
+    qk_block<D>(s, desc_q, smem_desc(sm.k[slot], D));
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(s);
+    const float c = q_scale * k_scale[j];
+    if (j < n_plain) {
+      softmax_block<false, CAUSAL>(s, c, m, l, alpha, p, j * kBlockN, r0, prm.skv);
+    } else {
+      softmax_block<true, CAUSAL>(s, c, m, l, alpha, p, j * kBlockN, r0, prm.skv);
+    }
+    fence_regs(p);
+    wgmma_fence();
+    pv_block<D>(ob, p, smem_desc(sm.v[slot], 128));
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(ob);
+    if (lane == 0) mbar_arrive(&sm.empty[slot]);
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] = fmaf(o[i], alpha[(i >> 1) & 1], ob[i]);
+  }
+
+  // epilogue: the row sums are per thread so far (alpha is uniform across the quad that shares a row)
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], 1);
+    l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], 2);
+  }
+  const float inv_l[2] = {1.0f / l[0], 1.0f / l[1]};
+  const float* v_scale = prm.v_scale + static_cast<long long>(bhk) * D;
+  const int t = lane & 3;
+  char* out_bh = static_cast<char*>(prm.out);
+  const int esize = 2;
+  out_bh += (static_cast<long long>(b) * prm.stride_ob + static_cast<long long>(h) * prm.stride_oh) * esize;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int row = r0 + 8 * hh;
+    if (row >= prm.sq) continue;
+    char* out_row = out_bh + static_cast<long long>(row) * prm.stride_os * esize;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+      const int d = 8 * j + 2 * t;
+      const float2 vs = *reinterpret_cast<const float2*>(v_scale + d);
+      const float x0 = o[4 * j + 2 * hh] * vs.x * inv_l[hh];
+      const float x1 = o[4 * j + 2 * hh + 1] * vs.y * inv_l[hh];
+      uint32_t packed;
+      if (prm.out_bf16) {
+        __nv_bfloat162 y = __floats2bfloat162_rn(x0, x1);
+        packed = *reinterpret_cast<uint32_t*>(&y);
+      } else {
+        __half2 y = __floats2half2_rn(x0, x1);
+        packed = *reinterpret_cast<uint32_t*>(&y);
+      }
+      *reinterpret_cast<uint32_t*>(out_row + d * esize) = packed;
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------------------------
+// Host side
+// ------------------------------------------------------------------------------------------------------------------
+
+thread_local char g_error[512] = "";
+
+int fail(int code, const char* what) {
+  snprintf(g_error, sizeof(g_error), "%s", what);
+  return code;
+}
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult status;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &status) ==
+            cudaSuccess &&
+        status == cudaDriverEntryPointSuccess) {
+      fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
+    }
+  });
+  return fn;
+}
+
+// A 3-D byte tensor (dim0 contiguous) read in boxes of box0 x box1 x 1, swizzled to the box's row width.
+bool make_map(CUtensorMap* map, const void* base, uint64_t dim0, uint64_t dim1, uint64_t dim2, uint32_t box0,
+              uint32_t box1) {
+  const cuuint64_t dims[3] = {dim0, dim1, dim2};
+  const cuuint64_t strides[2] = {dim0, dim0 * dim1};
+  const cuuint32_t box[3] = {box0, box1, 1};
+  const cuuint32_t elem[3] = {1, 1, 1};
+  const CUtensorMapSwizzle swizzle = box0 == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B;
+  return encode_fn()(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<void*>(base), dims, strides, box, elem,
+                     CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                     CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+template <int D, int NC, int STAGES, bool CAUSAL>
+int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& prm, int batch,
+           int sq_pad, cudaStream_t stream) {
+  auto kernel = sage2_fp8_sm90_kernel<D, NC, STAGES, CAUSAL>;
+  const int smem = static_cast<int>(sizeof(SharedStorage<D, NC, STAGES>)) + 1024;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return fail(3, cudaGetErrorString(err));
+  const dim3 grid((sq_pad + 64 * NC - 1) / (64 * NC), batch * prm.hq);
+  kernel<<<grid, 128 * (NC + 1), smem, stream>>>(tq, tk, tv, prm);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return fail(4, cudaGetErrorString(err));
+  return 0;
+}
+
+template <int D, int NC, int STAGES>
+int launch_causal(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& prm,
+                  int batch, int sq_pad, int causal, cudaStream_t stream) {
+  return causal ? launch<D, NC, STAGES, true>(tq, tk, tv, prm, batch, sq_pad, stream)
+                : launch<D, NC, STAGES, false>(tq, tk, tv, prm, batch, sq_pad, stream);
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* fc_sage2_sm90_error() { return g_error; }
+
+// Attention on quantize_qkv staging (pv="fp8", block_m=64, block_n=128, v_mma_order=True): q8 (B, Hq, sq_pad, D)
+// int8, k8 (B, Hkv, skv_pad, D) int8, vt8 (B, Hkv, D, skv_pad) e4m3, all contiguous; out (B, Hq, sq, D) fp16 or
+// bf16 with unit stride along D.
+// Returns 0, or a nonzero code with fc_sage2_sm90_error() saying why.
+int fc_sage2_sm90_fp8(const void* q8, const void* k8, const void* vt8, const float* q_scale, const float* k_scale,
+                      const float* v_scale, void* out, int out_bf16, int batch, int hq, int hkv, int sq,
+                      int sq_pad, int skv, int skv_pad, int head_dim, long long stride_ob, long long stride_oh,
+                      long long stride_os, int causal, void* stream) {
+  if (head_dim != 64 && head_dim != 128) return fail(1, "head_dim must be 64 or 128");
+  if (hkv <= 0 || hq % hkv != 0) return fail(1, "query heads must be a multiple of key/value heads");
+  if (sq <= 0 || skv <= 0 || sq_pad % 64 != 0 || skv_pad % kBlockN != 0 || sq_pad < sq || skv_pad < skv)
+    return fail(1, "sequence lengths or their padding are invalid (sq_pad: multiple of 64, skv_pad: of 128)");
+  if (batch * hq > 65535) return fail(1, "batch x heads exceeds 65535");
+  if (encode_fn() == nullptr) return fail(2, "the driver offers no cuTensorMapEncodeTiled (CUDA 12+ driver needed)");
+  CUtensorMap tq, tk, tv;
+  const uint64_t d = static_cast<uint64_t>(head_dim);
+  if (!make_map(&tq, q8, d, sq_pad, uint64_t(batch) * hq, head_dim, 64) ||
+      !make_map(&tk, k8, d, skv_pad, uint64_t(batch) * hkv, head_dim, kBlockN) ||
+      !make_map(&tv, vt8, skv_pad, d, uint64_t(batch) * hkv, kBlockN, head_dim))
+    return fail(2, "cuTensorMapEncodeTiled refused a staging tensor (alignment or size)");
+  const Params prm{q_scale, k_scale, v_scale, out, stride_ob, stride_oh, stride_os,
+                   hq, hkv, sq, skv, sq_pad / 64, skv_pad / kBlockN, out_bf16};
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  constexpr int kConsumers = 3;  // two measured 10-20% slower on the H200, also taking turns FA3-style
+  if (head_dim == 128) return launch_causal<128, kConsumers, 4>(tq, tk, tv, prm, batch, sq_pad, causal, st);
+  return launch_causal<64, kConsumers, 6>(tq, tk, tv, prm, batch, sq_pad, causal, st);
+}
+
+}  // extern "C"

@@ -1,0 +1,114 @@
+"""sage2 attention through the CUDA C++ Hopper kernel (`cuda/sage2_sm90.cu`), built with nvcc at first use.
+
+The same algorithm as `sage2_attention(pv="fp8")` (K smoothing, per-tile INT8 Q/K, exp2 online softmax, e4m3 P
+and per-channel e4m3 V), on `quantize_qkv` staging with 64-row Q tiles, 128-key K tiles and V^T in the kernel's
+MMA order. What the kernel does that the Triton and Gluon ones do not: P.V accumulates in a fresh fp32 block per
+128 keys that is then added to the output accumulator (the FP8 MMA's own accumulator is reduced-precision), and P
+is packed to e4m3 straight into the MMA's A registers. sm_90 only; D 64 or 128; GQA, causal and any lengths.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+from pathlib import Path
+
+import torch
+
+from .cuda_build import CudaBuild, arch_refusal, load_library
+from .sage2_quant import Sage2Staged, quantize_qkv, staging_layout, validate_inputs
+from .staging import StagingKey, StagingPool
+
+SOURCE = Path(__file__).with_name("cuda") / "sage2_sm90.cu"
+STAGING_TILES = (64, 128)  # (block_m, block_n): Q scales per consumer warpgroup's 64 rows, K scales per 128 keys
+
+
+def build() -> CudaBuild:
+    """The kernel's library, compiled on first use (and cached on disk by `cuda_build`)."""
+    return load_library(SOURCE)
+
+
+def cuda_refusal(q: torch.Tensor, pv: str, is_causal: bool) -> str | None:
+    """Why the CUDA kernel cannot serve this call (None: it can). Builds the kernel if it was never built."""
+    if q.device.type != "cuda":
+        return f"the CUDA kernel runs on CUDA devices; q is on {q.device}"
+    if pv != "fp8":
+        return f"the CUDA kernel serves pv='fp8'; got pv={pv!r}"
+    if q.dim() != 4 or q.shape[-1] not in (64, 128):
+        return f"the CUDA kernel serves head_dim 64 or 128; got {q.shape[-1] if q.dim() else None}"
+    why = arch_refusal(torch.cuda.get_device_capability(q.device))
+    return why if why is not None else build().refusal()
+
+
+def staging_keys(q: torch.Tensor, k: torch.Tensor) -> tuple[StagingKey, ...]:
+    """The pool keys a `sage2_cuda_attention(q, k, v, staging=pool)` call draws."""
+    layout = staging_layout(q.shape, k.shape, pv="fp8", block_m=STAGING_TILES[0], block_n=STAGING_TILES[1])
+    return tuple(StagingKey(name, shape, dtype, q.device, "fp8") for name, (shape, dtype) in layout.items())
+
+
+@functools.cache
+def _entry(path: Path) -> ctypes._CFuncPtr:
+    """The launcher of the library at `path`, typed (one per built library)."""
+    lib = ctypes.CDLL(str(path))
+    fn = lib.fc_sage2_sm90_fp8
+    p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+    fn.argtypes = [p, p, p, p, p, p, p, i, i, i, i, i, i, i, i, i, ll, ll, ll, i, p]
+    fn.restype = i
+    lib.fc_sage2_sm90_error.restype = ctypes.c_char_p
+    return fn
+
+
+def _error(path: Path) -> str:
+    return ctypes.CDLL(str(path)).fc_sage2_sm90_error().decode(errors="replace")
+
+
+def sage2_cuda_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, is_causal: bool = False) -> torch.Tensor:
+    """Run the CUDA kernel on `quantize_qkv(..., pv="fp8", block_m=64, block_n=128, v_mma_order=True)` staging;
+    returns a new (B, Hq, Sq, D) tensor in `out_dtype` (fp16 or bf16)."""
+    if staged.pv != "fp8" or (staged.block_m, staged.block_n) != STAGING_TILES:
+        raise ValueError(f"the CUDA kernel needs pv='fp8' staging with tiles {STAGING_TILES}; got pv="
+                         f"{staged.pv!r}, tiles ({staged.block_m}, {staged.block_n})")
+    if out_dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"out_dtype is {out_dtype}; allowed: torch.float16, torch.bfloat16")
+    built = build()
+    if built.library is None or built.path is None:
+        raise RuntimeError(f"the sage2 CUDA kernel is unavailable: {built.detail}")
+    bsz, hq, sq_pad, d = staged.q8.shape
+    hkv, skv_pad = staged.k8.shape[1], staged.k8.shape[2]
+    out = torch.empty((bsz, hq, staged.seq_q, d), dtype=out_dtype, device=staged.q8.device)
+    if out.numel() == 0:
+        return out
+    assert staged.v_scale is not None  # pv="fp8" staging always carries V's scales
+    stream = torch.cuda.current_stream(out.device).cuda_stream
+    rc = _entry(built.path)(
+        staged.q8.data_ptr(), staged.k8.data_ptr(), staged.v.data_ptr(), staged.q_scale.data_ptr(),
+        staged.k_scale.data_ptr(), staged.v_scale.data_ptr(), out.data_ptr(), int(out_dtype == torch.bfloat16),
+        bsz, hq, hkv, staged.seq_q, sq_pad, staged.seq_kv, skv_pad, d,
+        out.stride(0), out.stride(1), out.stride(2), int(is_causal), stream)
+    if rc != 0:
+        raise RuntimeError(f"the sage2 CUDA kernel refused the launch: {_error(built.path)}")
+    return out
+
+
+def sage2_cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+                         is_causal: bool = False, staging: StagingPool | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale) v for (B, H, S, D) fp16/bf16 CUDA tensors on sm_90, through the CUDA kernel; the
+    arguments and guarantees of `sage2_attention(..., pv="fp8")` (forward only, inputs never written, a new
+    contiguous output). Raises ValueError naming the reason where `cuda_refusal` finds one."""
+    validate_inputs(q, k, v, pv="fp8", scale=scale)
+    if not isinstance(is_causal, bool):
+        raise ValueError(f"is_causal is {is_causal!r}; allowed: True, False")
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise NotImplementedError("sage2_cuda_attention is forward-only: no backward kernel; call it under "
+                                  "torch.no_grad() / torch.inference_mode() or on tensors without requires_grad")
+    why = cuda_refusal(q, "fp8", is_causal)
+    if why is not None:
+        raise ValueError(f"the sage2 CUDA kernel cannot serve this call: {why}")
+    d = q.shape[-1]
+    if q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0:
+        return torch.empty((q.shape[0], q.shape[1], q.shape[2], d), dtype=q.dtype, device=q.device)
+    sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
+    staged = quantize_qkv(q, k, v, sm_scale=sm_scale, pv="fp8", block_m=STAGING_TILES[0], block_n=STAGING_TILES[1],
+                          validate=False, staging=staging, v_mma_order=True)
+    return sage2_cuda_staged(staged, out_dtype=q.dtype, is_causal=is_causal)
