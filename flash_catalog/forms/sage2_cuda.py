@@ -1,0 +1,35 @@
+"""`sage2_fp8_cuda`: the sage2 algorithm (INT8 Q.K^T, FP8 P.V) through the CUDA C++ Hopper kernel, built with nvcc
+at first use; where it cannot be built or run, the form refuses with the reason and the other forms serve."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..calls import AttentionCall
+from ..kernels.sage2_cuda import cuda_refusal, staging_keys
+from ..kernels.sage2_op import sage2_cuda_attention_op
+from ..masks import ALL_PASS
+from .base import AttentionForm, Runner
+
+
+def _run(staging: str, call: AttentionCall) -> torch.Tensor:
+    # an all-pass mask is dropped: the envelope admits only none and all_pass
+    return sage2_cuda_attention_op(call.query, call.key, call.value, call.scale, call.is_causal, staging)
+
+
+class Sage2Fp8Cuda(AttentionForm):
+    def rule(self, call: AttentionCall) -> str | None:
+        if call.query.shape[0] * call.query.shape[1] > 65535:
+            return f"batch x heads {call.query.shape[0] * call.query.shape[1]} > 65535"
+        if call.key.shape[-1] != call.value.shape[-1]:
+            return "key and value head dims differ"
+        return cuda_refusal(call.query, "fp8", call.is_causal)
+
+    def build(self, call: AttentionCall) -> Runner:
+        detail = "INT8 QK, FP8 PV, CUDA kernel" + (", mask dropped" if call.mask_kind == ALL_PASS else "")
+        pool = self.staging
+        if pool is None:
+            return Runner(functools.partial(_run, ""), detail)
+        return Runner(functools.partial(_run, pool.handle), detail, staging=staging_keys(call.query, call.key))

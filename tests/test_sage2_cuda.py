@@ -1,0 +1,143 @@
+"""The CUDA C++ sage2 kernel: V^T in its MMA order (CPU, interpreter), refusals, the source compiling for sm_90a
+with the nvcc found here (CPU, host code only), numerics against fp64 and the Triton kernel, compile and CUDA graphs
+(GPU)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # must precede any triton import: @triton.jit picks the interpreter at decoration
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from flash_catalog.kernels import sage2_cuda  # noqa: E402
+from flash_catalog.kernels.cuda_build import BuildStatus, find_nvcc, forget_builds  # noqa: E402
+from flash_catalog.kernels.sage2_quant import quantize_qkv  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+
+
+def _mma_column(token: int) -> int:
+    """Where the FP8 wgmma's k-index meets the P value of `token`: the score accumulator gives lane t of a quad keys
+    8j + 2t + {0, 1} (j < 4 per 32 keys); the A operand wants that lane's four bytes of register 2(j // 2) at k =
+    16(j // 2) + 4t + {0..3}, lower j first."""
+    base, c = token - token % 32, token % 32
+    j, t, b = c // 8, (c % 8) // 2, c % 2
+    return base + 16 * (j // 2) + 4 * t + 2 * (j % 2) + b
+
+
+def test_v_is_staged_in_the_kernels_mma_order():
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    q = torch.randn(1, 1, 40, 64, device=DEVICE, dtype=torch.float16, generator=g)
+    v = torch.randn(1, 1, 70, 64, device=DEVICE, dtype=torch.float16, generator=g)
+    plain = quantize_qkv(q, v, v, pv="fp8", block_m=64, block_n=128)
+    ordered = quantize_qkv(q, v, v, pv="fp8", block_m=64, block_n=128, v_mma_order=True)
+    columns = torch.tensor([_mma_column(t) for t in range(plain.v.shape[-1])], device=DEVICE)
+    assert sorted(columns.tolist()) == list(range(plain.v.shape[-1]))  # a permutation within every 32
+    moved = torch.empty_like(plain.v.view(torch.uint8))
+    moved[..., columns] = plain.v.view(torch.uint8)
+    assert torch.equal(ordered.v.view(torch.uint8), moved)
+    assert torch.equal(ordered.q8, plain.q8) and torch.equal(ordered.k8, plain.k8)
+    with pytest.raises(ValueError, match=r"v_mma_order=True orders V\^T for pv='fp8'; got pv='fp16'"):
+        quantize_qkv(q, v, v, pv="fp16", block_m=64, block_n=128, v_mma_order=True)
+
+
+def test_refusals_name_the_reason():
+    q = torch.zeros(1, 2, 8, 128)
+    assert sage2_cuda.cuda_refusal(q, "fp8", False) == "the CUDA kernel runs on CUDA devices; q is on cpu"
+    if torch.cuda.is_available():
+        qc = q.cuda()
+        assert sage2_cuda.cuda_refusal(qc, "fp16", False) == "the CUDA kernel serves pv='fp8'; got pv='fp16'"
+        assert "head_dim 64 or 128; got 96" in sage2_cuda.cuda_refusal(qc[..., :96], "fp8", False)
+
+
+@pytest.mark.skipif(find_nvcc() is None or shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="needs nvcc and a host C++ compiler")
+def test_the_source_compiles_for_sm90a_with_the_nvcc_found_here(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASH_CATALOG_CACHE", str(tmp_path))
+    forget_builds()
+    try:
+        built = sage2_cuda.build()
+        assert built.status in (BuildStatus.BUILT, BuildStatus.NO_CUDA_HEADERS), built.nvcc_output
+        if built.status is BuildStatus.NO_CUDA_HEADERS:
+            pytest.skip(built.detail)
+        assert built.library is not None and built.refusal() is None
+        assert hasattr(built.library, "fc_sage2_sm90_fp8") and hasattr(built.library, "fc_sage2_sm90_error")
+    finally:
+        forget_builds()
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_without_a_compiler_the_kernel_is_refused_with_the_fix(monkeypatch):
+    monkeypatch.setenv("FLASH_CATALOG_NVCC", "")
+    forget_builds()
+    try:
+        q = torch.zeros(1, 2, 8, 128, device="cuda", dtype=torch.bfloat16)
+        why = sage2_cuda.cuda_refusal(q, "fp8", False)
+        assert why == ("cannot build the CUDA kernel: FLASH_CATALOG_NVCC is set empty (build nothing); unset it to "
+                       "look for nvcc")
+        with pytest.raises(ValueError, match="the sage2 CUDA kernel cannot serve this call: "):
+            sage2_cuda.sage2_cuda_attention(q, q, q)
+    finally:
+        forget_builds()
+
+
+def _rel_l2(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("b,hq,hkv,sq,skv,d,causal,v_mean", [
+    (1, 4, 4, 1000, 777, 128, False, 0.0), (2, 6, 2, 333, 1500, 64, False, 0.0), (1, 2, 1, 129, 1, 128, False, 0.0),
+    (1, 4, 2, 700, 700, 128, True, 0.0), (1, 2, 2, 513, 900, 64, True, 0.0), (1, 2, 2, 8192, 8192, 128, False, 3.0)])
+def test_cuda_kernel_matches_fp64_and_the_triton_kernel(b, hq, hkv, sq, skv, d, causal, v_mean):
+    from flash_catalog.kernels.sage2_attention import sage2_attention
+    from flash_catalog.kernels.sage2_reference import exact_attention
+
+    g = torch.Generator(device="cuda").manual_seed(sq + skv)
+    q = torch.randn(b, hq, sq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(b, hkv, skv, d, device="cuda", dtype=torch.bfloat16, generator=g) + 0.5
+    v = (torch.randn(b, hkv, skv, d, device="cuda", generator=g) + v_mean).to(torch.bfloat16)
+    clones = [t.clone() for t in (q, k, v)]
+    out = sage2_cuda.sage2_cuda_attention(q, k, v, is_causal=causal)
+    assert out.shape == (b, hq, sq, d) and out.dtype == q.dtype and out.is_contiguous()
+    assert all(torch.equal(t, c) for t, c in zip((q, k, v), clones))
+    assert bool(out.isfinite().all())
+    exact = exact_attention(q, k, v, is_causal=causal)
+    cos = float(torch.nn.functional.cosine_similarity(out.double().flatten(), exact.double().flatten(), dim=0))
+    assert cos >= (0.99999 if v_mean else 0.999), cos
+    assert _rel_l2(out, exact) <= (0.005 if v_mean else 0.05)  # two-level accumulation: a large V mean costs nothing
+    # the same algorithm as the Triton kernel (whose Q tiles are 128 rows, so its scales differ): as close to exact
+    triton_err = _rel_l2(sage2_attention(q, k, v, pv="fp8", is_causal=causal, kernel="triton"), exact)
+    assert _rel_l2(out, exact) <= 1.1 * triton_err + 1e-3
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_the_op_compiles_fullgraph_and_replays_in_a_cuda_graph():
+    from flash_catalog.kernels.sage2_op import sage2_cuda_attention_op
+
+    q = torch.randn(1, 4, 1000, 128, device="cuda", dtype=torch.bfloat16)
+    eager = sage2_cuda_attention_op(q, q, q, None, False)
+    compiled = torch.compile(lambda x: sage2_cuda_attention_op(x, x, x, None, False), fullgraph=True)
+    assert torch.equal(compiled(q), eager)
+    static = q.clone()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        sage2_cuda_attention_op(static, static, static, None, False)  # warm-up: build, first launch
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = sage2_cuda_attention_op(static, static, static, None, False)
+    fresh = torch.randn_like(q)
+    static.copy_(fresh)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, sage2_cuda_attention_op(fresh, fresh, fresh, None, False))
