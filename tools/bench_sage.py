@@ -3,12 +3,13 @@
 Random bf16 inputs (B, H, S, D): B1 H32 S in {4096, 16384, 24576, 32768} D128 and B2 H24 S4096 D64. For each
 shape: host `F.scaled_dot_product_attention` (default backend), the Triton kernels `sage2_attention(pv="fp8")`
 and `sage2_attention(pv="fp16")` (tiles given, so the Triton kernel runs) and, with --gluon, the Hopper Gluon
-kernel for both P.V modes (what kernel "auto" runs on sm_90 for D128, not causal), each timed with
+kernel for both P.V modes (what kernel "auto" runs on sm_90 for D128, not causal), with --cuda the CUDA C++ kernel
+(`sage2_cuda`, fp8 P.V; built with nvcc at first use), each timed with
 `triton.testing.do_bench` (median), plus the quantisation kernels alone (`quantize_qkv`) to give their share.
 Accuracy: cosine and relative L2 error against an fp32 SDPA reference. TFLOP/s counts 4*B*H*Sq*Skv*D (halved
 with --causal).
 
-    python tools/bench_sage.py [--json out.json] [--sweep] [--causal] [--gluon] [--shapes 1x32x24576x128,...]
+    python tools/bench_sage.py [--json out.json] [--sweep] [--causal] [--gluon] [--cuda] [--shapes 1x32x24576x128,...]
 """
 
 from __future__ import annotations
@@ -100,8 +101,32 @@ def gluon_rows(q, k, v, host_fn, host_ms, row, warmup: int, rep: int, sweep: boo
     return rows
 
 
+def cuda_rows(q, k, v, causal, host_fn, host_ms, row, warmup: int, rep: int) -> list[dict]:
+    """The CUDA C++ kernel (fp8 P.V): full path (quantisation included) and kernel alone; rel_l2_vs_triton compares
+    with the Triton kernel (same algorithm, its own staging)."""
+    from flash_catalog.kernels import sage2_cuda
+    why = sage2_cuda.cuda_refusal(q, "fp8", causal)
+    if why is not None:
+        return [row("cuda fp8", float("nan"), None, error=why)]
+    bm, bn = sage2_cuda.STAGING_TILES
+    triton_out = sage2_attention(q, k, v, pv="fp8", is_causal=causal, kernel="triton")
+    fn = lambda: sage2_cuda.sage2_cuda_attention(q, k, v, is_causal=causal)  # noqa: E731
+    out = fn()
+    ms = bench(fn, warmup, rep)
+    staged = quantize_qkv(q, k, v, pv="fp8", block_m=bm, block_n=bn, v_mma_order=True)
+    kernel_ms = bench(lambda: sage2_cuda.sage2_cuda_staged(staged, out_dtype=q.dtype, is_causal=causal), warmup, rep)
+    cfg = {"block_m": 192, "block_n": bn, "num_warps": 16, "num_stages": 4 if q.shape[-1] == 128 else 6}
+    r = row("cuda fp8", ms, out, config=cfg, kernel_ms=kernel_ms, quant_ms=ms - kernel_ms,
+            quant_share=(ms - kernel_ms) / ms, ratio_vs_host=host_ms / ms,
+            rel_l2_vs_triton=accuracy(out, triton_out.float())["rel_l2"],
+            gate_ratio=paired_speedup(host_fn, fn, q.device).speedup)
+    del out, staged
+    torch.cuda.empty_cache()
+    return [r]
+
+
 def run_shape(shape, *, causal: bool, sweep: bool, warmup: int, rep: int, gluon: bool = False,
-              triton_rows: bool = True, layout: str = "bhsd", gate: bool = False) -> list[dict]:
+              triton_rows: bool = True, layout: str = "bhsd", gate: bool = False, cuda: bool = False) -> list[dict]:
     b, h, s, d = shape
     flops = 4.0 * b * h * s * s * d * (0.5 if causal else 1.0)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -156,8 +181,10 @@ def run_shape(shape, *, causal: bool, sweep: bool, warmup: int, rep: int, gluon:
                 torch.cuda.empty_cache()
         if gluon and not causal:
             rows += gluon_rows(q, k, v, host_fn, host_ms, row, warmup, rep, sweep)
+        if cuda:
+            rows += cuda_rows(q, k, v, causal, host_fn, host_ms, row, warmup, rep)
     if sweep:  # mark the fastest config per implementation
-        for impl in ("sage2 fp8", "sage2 fp16", "gluon fp8", "gluon fp16"):
+        for impl in ("sage2 fp8", "sage2 fp16", "gluon fp8", "gluon fp16", "cuda fp8"):
             ok = [r for r in rows if r["impl"] == impl and "error" not in r]
             if ok:
                 min(ok, key=lambda r: r["ms"])["best"] = True
@@ -198,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--causal", action="store_true", help="causal attention (top-left), half the flops")
     ap.add_argument("--gluon", action="store_true",
                     help="also the Hopper Gluon kernel (fp8 and fp16 P.V, non-causal, sm_90)")
+    ap.add_argument("--cuda", action="store_true",
+                    help="also the CUDA C++ kernel (fp8 P.V, sm_90; built with nvcc at first use)")
     ap.add_argument("--no-triton", action="store_true", help="skip the Triton-language kernels")
     ap.add_argument("--gate", action="store_true",
                     help="also time sage2 fp8 (kernel auto) against the host with the catalog's paired gate timer")
@@ -217,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     for shape in args.shapes:
         rows += run_shape(shape, causal=args.causal, sweep=args.sweep, warmup=args.warmup, rep=args.rep,
-                          gluon=args.gluon, triton_rows=not args.no_triton, layout=args.layout, gate=args.gate)
+                          gluon=args.gluon, triton_rows=not args.no_triton, layout=args.layout, gate=args.gate,
+                          cuda=args.cuda)
         print_table([r for r in rows if r["shape"] == rows[-1]["shape"]])
         print()
     print("summary")
