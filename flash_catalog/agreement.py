@@ -7,7 +7,9 @@ ratios, a form's variant timings by the slowest rank), so every rank reaches the
 identical plans by construction. A single process uses `LOCAL`, which combines nothing.
 
 Collectives run in the order decisions are taken, which is the same on every rank (the same model, the same
-calibration call); `check` compares the finished decisions and fails the attach on every rank if they differ.
+calibration call); each carries the name of its step, so ranks that reach different steps (a form that ran
+differently on them) stop together with `RanksOutOfStep` instead of mixing each other's values or waiting alone;
+`check` compares the finished decisions and fails the attach on every rank if they differ.
 """
 
 from __future__ import annotations
@@ -29,6 +31,13 @@ if TYPE_CHECKING:
     from .plan import SiteRecord
 
 COMBINE = "cosine: min over ranks; rel err: max; speed: per round the geometric mean of the ranks' ratios"
+
+
+class RanksOutOfStep(BaseException):
+    """The ranks reached different agreement steps at one collective. Every rank raises it at that collective, from
+    the same gathered values. It derives from BaseException so that no form's or gate's `except Exception` takes it
+    for a failure of its own and carries on alone into another collective, where the other ranks would never come;
+    `attach` restores the host and raises AttachError on every rank."""
 
 
 @dataclass(frozen=True)
@@ -81,12 +90,19 @@ class Agreement:
         """The ranks of the group, in the order a gather returns their values."""
         return self.record.decided_by if self.record is not None else (0,)
 
-    def _gather(self, value: Any) -> list[Any]:
+    def _gather(self, step: str, value: Any) -> list[Any]:
+        """Every rank's value at this collective, in rank order; `step` names what is being agreed, and ranks that
+        are at different steps raise RanksOutOfStep together."""
         if self.group is None:
             return [value]
         out: list[Any] = [None] * torch.distributed.get_world_size(self.group)
-        torch.distributed.all_gather_object(out, value, group=self.group)
-        return out
+        torch.distributed.all_gather_object(out, (step, value), group=self.group)
+        steps = [s for s, _ in out]
+        if any(s != step for s in steps):
+            at = ", ".join(f"rank {rank} at {s!r}" for rank, s in zip(self.ranks, steps))
+            raise RanksOutOfStep(f"the context-parallel ranks fell out of step while agreeing ({at}): a form ran "
+                                 f"differently on the ranks")
+        return [v for _, v in out]
 
     def failure(self, error: BaseException | None) -> str | None:
         """Why a step failed, in the same words on every rank: this rank's error, or the first failing rank's (named);
@@ -95,14 +111,14 @@ class Agreement:
         text = None if error is None else receipts.error_text(error)
         if self.group is None:
             return text
-        every = self._gather(text)
+        every = self._gather("a failure", text)
         return next((f"{why} on rank {rank}" for rank, why in zip(self.ranks, every) if why is not None), None)
 
     def accuracy(self, accuracy: Accuracy) -> Accuracy:
         """The worst accuracy over the ranks."""
         if self.group is None:
             return accuracy
-        every: list[Accuracy] = self._gather(accuracy)
+        every: list[Accuracy] = self._gather("accuracy", accuracy)
         return Accuracy(min(a.cosine for a in every), max(a.max_rel_err for a in every))
 
     def timing(self, timing: Timing) -> Timing:
@@ -110,7 +126,7 @@ class Agreement:
         took), its Hodges-Lehmann centre and interval, the mean host time."""
         if self.group is None:
             return timing
-        every: list[Timing] = self._gather(timing)
+        every: list[Timing] = self._gather("a timing", timing)
         rounds = min(t.rounds for t in every)
         logs = [statistics.fmean(math.log(t.ratios[i]) for t in every) for i in range(rounds)]
         low, high = signed_rank_interval(logs)
@@ -122,7 +138,7 @@ class Agreement:
     def slowest(self, seconds: float) -> float:
         """A form's timing of one of its own variants, as the slowest rank measured it (inf: failed there), so
         that every rank picks the same variant."""
-        return seconds if self.group is None else max(self._gather(seconds))
+        return seconds if self.group is None else max(self._gather("a variant's seconds", seconds))
 
     def check(self, records: Sequence[SiteRecord]) -> None:
         """Raise on every rank unless every rank decided the same (its sites' outcomes, forms and figures), naming
@@ -131,7 +147,7 @@ class Agreement:
             return
         digests = [hashlib.sha256(json.dumps(r.to_dict(), sort_keys=True, default=str).encode()).hexdigest()
                    for r in records]
-        every = self._gather(digests)
+        every = self._gather("the plan", digests)
         if all(d == every[0] for d in every):
             return
         differ = [rank for rank, d in zip(self.ranks, every) if d != every[0]]

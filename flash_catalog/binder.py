@@ -20,7 +20,7 @@ from .adapters.patches import GlobalPatch
 from .adapters.router import AttentionRouter
 from .adapters.routes import RouteTable
 from .adapters.swap import state_of
-from .agreement import Agreement
+from .agreement import Agreement, RanksOutOfStep
 from .calibration import Calibration, Progress
 from .catalog import Catalog, build_form
 from .decide import GateOptions
@@ -152,6 +152,9 @@ def attach(model: nn.Module | Any, example: Example, *, attention_forms: Sequenc
         if calibration.current is not None:
             stage = f"gating site {calibration.current} during the calibration call"
         revert()
+        if isinstance(exc, RanksOutOfStep):
+            raise AttachError(f"attach failed while {stage}: {exc}. The model was restored to the host on every "
+                              f"rank.") from exc
         if not isinstance(exc, Exception):
             raise
         raise AttachError(f"attach failed while {stage}: {type(exc).__name__}: {exc}. "

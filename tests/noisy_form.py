@@ -43,3 +43,14 @@ class FailsWhenTimed(AttentionForm):
 
 class FailsWhenTimedOnRank1(FailsWhenTimed):
     failing_rank = 1
+
+
+class OutOfStepOnRank1(AttentionForm):
+    """Times a variant of its own on rank 0 but fails before timing it on rank 1: the two ranks reach different
+    agreement steps (rank 0 the variant's seconds, rank 1 the form's failure)."""
+
+    def build(self, call):
+        if torch.distributed.get_rank() == 1:
+            raise RuntimeError("no tile plan for this rank's keys")
+        self.variant_seconds(lambda: None, call.query.device)
+        return Runner(lambda c: F.scaled_dot_product_attention(c.query, c.key, c.value, scale=c.scale), "sdpa")

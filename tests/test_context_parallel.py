@@ -69,7 +69,7 @@ def _worker(rank: int, port: int, name: str, kind: str, out_dir: str) -> None:
 def _scenario(name: str, kind: str, out_dir: Path) -> dict:
     from diffusers import ContextParallelConfig
 
-    from flash_catalog import attach, detach
+    from flash_catalog import AttachError, attach, detach
     from flash_catalog.catalog import Catalog
     from flash_catalog.tiny_hosts import build
 
@@ -101,6 +101,17 @@ def _scenario(name: str, kind: str, out_dir: Path) -> dict:
                       catalog=Catalog.load([spec], extend=True))
         result["flaky"] = [s.to_dict() for s in plan.sites]
         detach(plan)
+        # a form whose build reaches a collective on rank 0 only: both ranks stop at once, the host restored
+        spec = out_dir / f"out_of_step_rank{torch.distributed.get_rank()}.toml"
+        spec.write_text(NO_LSE_SPEC.replace("sdpa_no_lse", "out_of_step").replace(
+            "flash_catalog.forms.sdpa_dense:SdpaDense", "noisy_form:OutOfStepOnRank1"))
+        try:
+            attach(host.model, inputs, attention_forms=["out_of_step"], min_speedup=0, timing_rounds=3,
+                   catalog=Catalog.load([spec], extend=True))
+            result["out_of_step"] = "attached"
+        except AttachError as exc:
+            result["out_of_step"] = str(exc)
+        result["after_out_of_step"] = _run(host.model, inputs)
     plan = attach(host.model, inputs, attention_forms=["sdpa_dense"], min_speedup=0, timing_rounds=3)
     result["attached"] = _run(host.model, inputs)
     result["sites"] = [s.to_dict() for s in plan.sites]
@@ -200,6 +211,12 @@ def test_wan_ulysses_serves_each_ranks_full_sequence_over_half_the_heads(tmp_pat
             f"flaky: failed to {stage} (OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB on rank 1) "
             "at q=(1,32,1,12)")
         assert site["outcome"] == "bound" and site["form"] == "sdpa_dense"
+    # rank 0 agreeing on a variant's time while rank 1 reports its failure: both stop together, nothing half-bound
+    for r in ranks:
+        assert r["out_of_step"].startswith("attach failed while gating site ") and r["out_of_step"].endswith(
+            "the context-parallel ranks fell out of step while agreeing (rank 0 at \"a variant's seconds\", rank 1 "
+            "at 'a failure'): a form ran differently on the ranks. The model was restored to the host on every rank.")
+        assert torch.equal(r["after_out_of_step"], r["host_cp"])
 
 
 def test_ltx2_ulysses_binds_every_parallel_site_on_both_ranks(tmp_path):
