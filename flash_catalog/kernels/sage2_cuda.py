@@ -12,7 +12,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -47,20 +49,32 @@ def staging_keys(q: torch.Tensor, k: torch.Tensor) -> tuple[StagingKey, ...]:
     return tuple(StagingKey(name, shape, dtype, q.device, "fp8") for name, (shape, dtype) in layout.items())
 
 
+@dataclass(frozen=True)
+class Launcher:
+    """The kernel library's two entry points, typed: `launch` returns 0 or an error code, `error` the reason."""
+
+    launch: Callable[..., int]
+    error: Callable[[], bytes]
+
+    def __call__(self, *args: int) -> None:
+        """Launch on the arguments of `fc_sage2_sm90_fp8` (pointers as ints); raises RuntimeError with the kernel's
+        reason when it refuses."""
+        if self.launch(*args) != 0:
+            raise RuntimeError(f"the sage2 CUDA kernel refused the launch: "
+                               f"{self.error().decode(errors='replace')}")
+
+
 @functools.cache
-def _entry(path: Path) -> ctypes._CFuncPtr:
-    """The launcher of the library at `path`, typed (one per built library)."""
+def launcher(path: Path) -> Launcher:
+    """The launcher of the library built at `path` (one per library)."""
     lib = ctypes.CDLL(str(path))
-    fn = lib.fc_sage2_sm90_fp8
+    launch, error = lib.fc_sage2_sm90_fp8, lib.fc_sage2_sm90_error
     p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
-    fn.argtypes = [p, p, p, p, p, p, p, i, i, i, i, i, i, i, i, i, ll, ll, ll, i, p]
-    fn.restype = i
-    lib.fc_sage2_sm90_error.restype = ctypes.c_char_p
-    return fn
-
-
-def _error(path: Path) -> str:
-    return ctypes.CDLL(str(path)).fc_sage2_sm90_error().decode(errors="replace")
+    launch.argtypes = [p, p, p, p, p, p, p, i, i, i, i, i, i, i, i, i, ll, ll, ll, i, p]
+    launch.restype = i
+    error.argtypes = []
+    error.restype = ctypes.c_char_p
+    return Launcher(launch, error)
 
 
 def sage2_cuda_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, is_causal: bool = False) -> torch.Tensor:
@@ -81,13 +95,11 @@ def sage2_cuda_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, is_causal:
         return out
     assert staged.v_scale is not None  # pv="fp8" staging always carries V's scales
     stream = torch.cuda.current_stream(out.device).cuda_stream
-    rc = _entry(built.path)(
+    launcher(built.path)(
         staged.q8.data_ptr(), staged.k8.data_ptr(), staged.v.data_ptr(), staged.q_scale.data_ptr(),
         staged.k_scale.data_ptr(), staged.v_scale.data_ptr(), out.data_ptr(), int(out_dtype == torch.bfloat16),
         bsz, hq, hkv, staged.seq_q, sq_pad, staged.seq_kv, skv_pad, d,
         out.stride(0), out.stride(1), out.stride(2), int(is_causal), stream)
-    if rc != 0:
-        raise RuntimeError(f"the sage2 CUDA kernel refused the launch: {_error(built.path)}")
     return out
 
 
