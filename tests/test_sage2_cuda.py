@@ -49,11 +49,11 @@ def test_v_is_staged_in_the_kernels_mma_order():
 
 def test_refusals_name_the_reason():
     q = torch.zeros(1, 2, 8, 128)
-    assert sage2_cuda.cuda_refusal(q, "fp8", False) == "the CUDA kernel runs on CUDA devices; q is on cpu"
+    assert sage2_cuda.cuda_refusal(q, "fp8") == "the CUDA kernel runs on CUDA devices; q is on cpu"
     if torch.cuda.is_available():
         qc = q.cuda()
-        assert sage2_cuda.cuda_refusal(qc, "fp16", False) == "the CUDA kernel serves pv='fp8'; got pv='fp16'"
-        assert "head_dim 64 or 128; got 96" in sage2_cuda.cuda_refusal(qc[..., :96], "fp8", False)
+        assert sage2_cuda.cuda_refusal(qc, "fp16") == "the CUDA kernel serves pv='fp8'; got pv='fp16'"
+        assert "head_dim 64 or 128; got 96" in sage2_cuda.cuda_refusal(qc[..., :96], "fp8")
 
 
 @pytest.mark.skipif(find_nvcc() is None or shutil.which("g++") is None and shutil.which("c++") is None,
@@ -85,7 +85,7 @@ def test_without_a_compiler_the_kernel_is_refused_with_the_fix(monkeypatch):
     forget_builds()
     try:
         q = torch.zeros(1, 2, 8, 128, device="cuda", dtype=torch.bfloat16)
-        why = sage2_cuda.cuda_refusal(q, "fp8", False)
+        why = sage2_cuda.cuda_refusal(q, "fp8")
         assert why == ("cannot build the CUDA kernel: FLASH_CATALOG_NVCC is set empty (build nothing); unset it to "
                        "look for nvcc")
         with pytest.raises(ValueError, match="the sage2 CUDA kernel cannot serve this call: "):

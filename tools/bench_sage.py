@@ -105,7 +105,7 @@ def cuda_rows(q, k, v, causal, host_fn, host_ms, row, warmup: int, rep: int) -> 
     """The CUDA C++ kernel (fp8 P.V): full path (quantisation included) and kernel alone; rel_l2_vs_triton compares
     with the Triton kernel (same algorithm, its own staging)."""
     from flash_catalog.kernels import sage2_cuda
-    why = sage2_cuda.cuda_refusal(q, "fp8", causal)
+    why = sage2_cuda.cuda_refusal(q, "fp8")
     if why is not None:
         return [row("cuda fp8", float("nan"), None, error=why)]
     bm, bn = sage2_cuda.STAGING_TILES

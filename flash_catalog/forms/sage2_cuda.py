@@ -25,7 +25,7 @@ class Sage2Fp8Cuda(AttentionForm):
             return f"batch x heads {call.query.shape[0] * call.query.shape[1]} > 65535"
         if call.key.shape[-1] != call.value.shape[-1]:
             return "key and value head dims differ"
-        return cuda_refusal(call.query, "fp8", call.is_causal)
+        return cuda_refusal(call.query, "fp8")
 
     def build(self, call: AttentionCall) -> Runner:
         detail = "INT8 QK, FP8 PV, CUDA kernel" + (", mask dropped" if call.mask_kind == ALL_PASS else "")

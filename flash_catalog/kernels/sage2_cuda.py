@@ -31,7 +31,7 @@ def build() -> CudaBuild:
     return load_library(SOURCE)
 
 
-def cuda_refusal(q: torch.Tensor, pv: str, is_causal: bool) -> str | None:
+def cuda_refusal(q: torch.Tensor, pv: str) -> str | None:
     """Why the CUDA kernel cannot serve this call (None: it can). Builds the kernel if it was never built."""
     if q.device.type != "cuda":
         return f"the CUDA kernel runs on CUDA devices; q is on {q.device}"
@@ -114,7 +114,7 @@ def sage2_cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         raise NotImplementedError("sage2_cuda_attention is forward-only: no backward kernel; call it under "
                                   "torch.no_grad() / torch.inference_mode() or on tensors without requires_grad")
-    why = cuda_refusal(q, "fp8", is_causal)
+    why = cuda_refusal(q, "fp8")
     if why is not None:
         raise ValueError(f"the sage2 CUDA kernel cannot serve this call: {why}")
     d = q.shape[-1]
