@@ -26,6 +26,7 @@ from .catalog import Catalog, build_form
 from .decide import GateOptions
 from .environment import environment
 from .forms.base import AttentionForm
+from .forms.context import FormContext
 from .kernels.staging import StagingPool
 from .pipelines import denoisers
 from .plan import AttachTimings, Plan, ShapeRecord, SiteRecord
@@ -96,13 +97,11 @@ def attach(model: nn.Module | Any, example: Example, *, attention_forms: Sequenc
     run_example = _example_runner(model, example)
     here = environment(_model_device(host), [*specs, *ffn_specs])
     saved = SavedDecisions.of(saved_plan, here) if saved_plan is not None else None
-    forms: list[AttentionForm] = [_with_emulation(build_form(s, trust_remote_code=trust_remote_code),
-                                                  allow_emulation) for s in specs]
     staging = StagingPool()  # scratch shared by every site of this attach; detach releases it
-    for form in forms:
-        form.staging = staging
-        form.agreement = agreement
-    ffn_forms_built = [_ffn_form(s, allow_emulation) for s in ffn_specs]
+    context = FormContext(staging, agreement, allow_emulation)
+    forms: list[AttentionForm] = [build_form(s, context=context, trust_remote_code=trust_remote_code)
+                                  for s in specs]
+    ffn_forms_built = [build_form(s, context=context) for s in ffn_specs]
     adapter = pick_adapter(host)
     modules = _filter_sites(adapter.find_sites(host), sites)
     ffn_modules = _filter_sites({**find_ffn_sites(host), **find_projection_sites(host, list(projections))},
@@ -221,7 +220,6 @@ def _reverter(installation: Installation, forms: list[AttentionForm], ffn_sites:
         ffn_sites.clear()
         for form in forms:
             form.retain(set())
-            form.staging = None
         staging.release()
         routes.release()
 
@@ -305,17 +303,6 @@ def _resolve_profile(profile: str | None, attention_forms: Sequence[str] | None,
     if isinstance(projections, str):
         raise TypeError(f"projections must be a list of glob patterns, not the string {projections!r}")
     return attention_forms, ffn_forms, projections
-
-
-def _with_emulation(form, allow_emulation: bool):
-    """The caller's emulation opt-in, on the forms that have an emulated path."""
-    if hasattr(form, "allow_emulation"):
-        form.allow_emulation = allow_emulation
-    return form
-
-
-def _ffn_form(spec, allow_emulation: bool):
-    return _with_emulation(build_form(spec), allow_emulation)
 
 
 def _counts(router_counts, ffn_sites: list[FfnSite], attr: str) -> dict[str, int]:

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from .implementations import ImportStatus, family_problem, import_implementation
 from .specs import Spec, SpecError, SpecProblem, load_spec
+
+if TYPE_CHECKING:
+    from .forms.context import FormContext
 
 
 def specs_dir() -> Path:
@@ -104,17 +107,23 @@ def _load_all(files: Sequence[Path]) -> tuple[Spec, ...]:
     return tuple(specs)
 
 
-def build_form(spec: Spec, *, trust_remote_code: bool | Sequence[str] = False) -> Any:
+def build_form(spec: Spec, *, context: FormContext | None = None,
+               trust_remote_code: bool | Sequence[str] = False) -> Any:
     """Import the spec's implementation and construct the form object for it.
 
     A missing optional dependency of the implementation (triton on a CPU-only machine, say), an import that
     fails, or a form whose constructor raises `KernelUnavailable` (a `[hub]` kernel that cannot be resolved here)
     gives an `Unavailable` form that every site refuses with the reason; a wrong implementation path, a module
     that raises on import, or a class that is not a form of the spec's family is a SpecError.
-    `trust_remote_code` (the caller's opt-in to code from the Hugging Face Hub: True, or a list of repo ids)
-    is passed to the form of a `[hub]` spec only.
+    `context` is what the attach gives the form at construction (its staging pool, the agreement over
+    context-parallel ranks, the emulation opt-in; none outside an attach). `trust_remote_code` (the caller's
+    opt-in to code from the Hugging Face Hub: True, or a list of repo ids) is passed to the form of a `[hub]` spec
+    only.
     """
+    from .forms.context import NO_CONTEXT
     from .forms.unavailable import KernelUnavailable, Unavailable
+
+    context = context if context is not None else NO_CONTEXT
 
     impl = import_implementation(spec)
     if impl.status in (ImportStatus.MISSING_DEPENDENCY, ImportStatus.IMPORT_ERROR):
@@ -125,6 +134,8 @@ def build_form(spec: Spec, *, trust_remote_code: bool | Sequence[str] = False) -
     if wrong_family is not None:
         raise SpecError([wrong_family])
     try:
-        return impl.cls(spec, trust_remote_code=trust_remote_code) if spec.hub is not None else impl.cls(spec)
+        if spec.hub is not None:
+            return impl.cls(spec, context, trust_remote_code=trust_remote_code)
+        return impl.cls(spec, context)
     except KernelUnavailable as exc:
         return Unavailable(spec, str(exc))

@@ -18,6 +18,7 @@ diffusers_attention = pytest.importorskip("diffusers.models.attention")
 FeedForward = diffusers_attention.FeedForward
 
 from flash_catalog.catalog import specs_dir  # noqa: E402
+from flash_catalog.forms.context import FormContext  # noqa: E402
 from flash_catalog.forms.fp8_rowwise import Fp8RowwiseFfn, Fp8UpFfn  # noqa: E402
 from flash_catalog.forms.int8_rowwise import Int8RowwiseFfn  # noqa: E402
 from flash_catalog.forms.nvfp4_w4a4 import NvFp4Ffn  # noqa: E402
@@ -34,10 +35,8 @@ WEIGHT_QUANTISERS = {"fp8": quantize_weight_fp8, "int8": quantize_weight_int8}
 
 
 def form(name: str):
-    built = FORMS[name](load_spec(specs_dir() / "vision_ffn" / f"{name}.toml"))
-    if isinstance(built, NvFp4Ffn):
-        built.allow_emulation = True
-    return built
+    return FORMS[name](load_spec(specs_dir() / "vision_ffn" / f"{name}.toml"),
+                       FormContext(allow_emulation=FORMS[name] is NvFp4Ffn))
 
 
 def host(kind: str, seed: int, activation: str = "gelu-approximate", device: str = "cpu") -> nn.Module:

@@ -19,6 +19,7 @@ FeedForward = diffusers_attention.FeedForward
 from flash_catalog.catalog import Catalog, build_form, specs_dir  # noqa: E402
 from flash_catalog.forms.fp8_rowwise import (ACTIVATIONS, Fp8RowwiseFfn, Fp8UpFfn,  # noqa: E402
                                              QuantizedFeedForward, QuantizedUpFeedForward)
+from flash_catalog.forms.context import FormContext  # noqa: E402
 from flash_catalog.forms.nvfp4_w4a4 import NvFp4FeedForward, NvFp4Ffn  # noqa: E402
 from flash_catalog.kernels import fp8_rowwise as fp8  # noqa: E402
 from flash_catalog.kernels import nvfp4  # noqa: E402
@@ -40,9 +41,7 @@ def fp8_form() -> Fp8RowwiseFfn:
 
 
 def nvfp4_form(allow: bool) -> NvFp4Ffn:
-    form = NvFp4Ffn(spec("nvfp4_w4a4"))
-    form.allow_emulation = allow
-    return form
+    return NvFp4Ffn(spec("nvfp4_w4a4"), FormContext(allow_emulation=allow))
 
 
 def host(activation: str = "gelu-approximate", dtype=torch.float32, bias: bool = True, dim: int = 64,
@@ -410,7 +409,7 @@ def test_rule_texts():
 def test_nvfp4_refuses_without_emulation_on_cpu():
     ff, x = host("gelu"), torch.randn(1, 4, 64)
     form = nvfp4_form(allow=False)
-    assert NvFp4Ffn.allow_emulation is False
+    assert NvFp4Ffn(spec("nvfp4_w4a4")).allow_emulation is False  # off unless the context opts in
     assert form.rule(ff, x) == ("device cpu (NVFP4 needs Blackwell); pass allow_emulation=True to run the exact "
                                 "emulation")
     with pytest.raises(ValueError, match="allow_emulation=True"):

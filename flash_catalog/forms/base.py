@@ -7,11 +7,12 @@ from typing import Callable
 
 import torch
 
-from ..agreement import LOCAL, Agreement
+from ..agreement import Agreement
 from ..calls import AttentionCall, Output, ShapeKey
 from ..gate import median_seconds
 from ..kernels.staging import StagingKey, StagingPool
 from ..specs import Spec
+from .context import NO_CONTEXT, FormContext
 
 
 @dataclass(frozen=True)
@@ -34,15 +35,15 @@ class Runner:
 class AttentionForm:
     """Base class: a spec plus one runner per qualified shape, built on first use and cached.
 
-    `staging` is the attach's shared scratch pool (set by the binder before any runner is built); forms whose
-    kernels stage operands draw from it, others ignore it. `agreement` (also set by the binder) combines the timings
-    of a form's own variants over the ranks of a context-parallel model, so every rank picks the same one.
+    `context` (a `FormContext`) is what the attach gives every form: its scratch pool, the agreement over the
+    ranks of a context-parallel model, the emulation opt-in.
     """
 
-    def __init__(self, spec: Spec) -> None:
+    def __init__(self, spec: Spec, context: FormContext = NO_CONTEXT) -> None:
         self.spec = spec
-        self.staging: StagingPool | None = None
-        self.agreement: Agreement = LOCAL
+        self.staging: StagingPool | None = context.staging
+        self.agreement: Agreement = context.agreement
+        self.allow_emulation = context.allow_emulation
         self._runners: dict[ShapeKey, Runner] = {}
 
     def variant_seconds(self, run: Callable[[], object], device: torch.device, samples: int = 5) -> float:

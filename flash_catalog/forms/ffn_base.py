@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from ..specs import Spec
+from .context import NO_CONTEXT, FormContext
 
 
 class FfnForm:
@@ -13,10 +14,12 @@ class FfnForm:
 
     `build` adopts a host feed-forward module (quantize-on-adopt) and returns a module computing the same
     function; it must not keep references to the host's parameters (the binder keeps those for detach).
+    `context.allow_emulation` is the caller's opt-in to an exact emulated path, for the forms that have one.
     """
 
-    def __init__(self, spec: Spec) -> None:
+    def __init__(self, spec: Spec, context: FormContext = NO_CONTEXT) -> None:
         self.spec = spec
+        self.allow_emulation = context.allow_emulation
 
     @property
     def name(self) -> str:

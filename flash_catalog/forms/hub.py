@@ -34,6 +34,7 @@ from ..calls import AttentionCall, dims
 from ..masks import ALL_PASS
 from ..specs import HubSource, Spec, SpecError
 from .base import AttentionForm, Runner
+from .context import NO_CONTEXT, FormContext
 from .unavailable import KernelUnavailable
 
 MIN_KERNELS = "0.17"
@@ -44,8 +45,8 @@ class HubAttention(AttentionForm):
     """Serves a `[hub]` spec: calls `function(q, k, v, scale=..., is_causal=..., **kwargs)` on (B, H, S, D)
     tensors; the spec's envelope says what it may serve (masks: none and all-pass only)."""
 
-    def __init__(self, spec: Spec, trust_remote_code: Trust = False) -> None:
-        super().__init__(spec)
+    def __init__(self, spec: Spec, context: FormContext = NO_CONTEXT, trust_remote_code: Trust = False) -> None:
+        super().__init__(spec, context)
         if spec.hub is None:
             raise SpecError(f"{spec.path}: field 'hub' is missing; allowed: a [hub] table ({type(self).__name__} "
                             f"serves [hub] specs, which name no implementation)")

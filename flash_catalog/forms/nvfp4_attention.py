@@ -21,8 +21,6 @@ class NvFp4Attention(AttentionForm):
     """FP4 tensor cores on sm_100+ (untested: no Blackwell here); below that the exact fp16 emulation, only with
     `allow_emulation=True`, which the envelope's `emulation = true` lets lift its capability floor."""
 
-    allow_emulation: bool = False
-
     def rule(self, call: AttentionCall) -> str | None:
         if call.key.shape[-1] != call.value.shape[-1]:
             return "key and value head dims differ"

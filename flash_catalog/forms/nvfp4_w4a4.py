@@ -65,8 +65,6 @@ def device_rule(x: torch.Tensor, allow_emulation: bool) -> str | None:
 class NvFp4Ffn(FfnForm):
     """NVFP4 W4A4 for diffusers FeedForward hosts; exact emulation only, behind `allow_emulation`."""
 
-    allow_emulation: bool = False
-
     def rule(self, module: nn.Module, x: torch.Tensor) -> str | None:
         text = device_rule(x, self.allow_emulation)
         if text is not None:
