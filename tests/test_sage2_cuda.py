@@ -147,3 +147,13 @@ def test_the_op_compiles_fullgraph_and_replays_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, sage2_cuda_attention_op(fresh, fresh, fresh, None, False))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER or torch.cuda.device_count() < 2, reason="needs two sm_90 GPUs")
+def test_tensors_on_another_device_than_the_current_one():
+    q = torch.randn(1, 4, 700, 128, device="cuda:0", dtype=torch.bfloat16)
+    on0 = sage2_cuda.sage2_cuda_attention(q, q, q)
+    with torch.cuda.device(0):  # the current device stays 0; the tensors live on cuda:1
+        on1 = sage2_cuda.sage2_cuda_attention(q.to("cuda:1"), q.to("cuda:1"), q.to("cuda:1"))
+    assert on1.device == torch.device("cuda:1") and torch.equal(on1.cpu(), on0.cpu())

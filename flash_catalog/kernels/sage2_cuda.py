@@ -94,12 +94,15 @@ def sage2_cuda_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, is_causal:
     if out.numel() == 0:
         return out
     assert staged.v_scale is not None  # pv="fp8" staging always carries V's scales
-    stream = torch.cuda.current_stream(out.device).cuda_stream
-    launcher(built.path)(
-        staged.q8.data_ptr(), staged.k8.data_ptr(), staged.v.data_ptr(), staged.q_scale.data_ptr(),
-        staged.k_scale.data_ptr(), staged.v_scale.data_ptr(), out.data_ptr(), int(out_dtype == torch.bfloat16),
-        bsz, hq, hkv, staged.seq_q, sq_pad, staged.seq_kv, skv_pad, d,
-        out.stride(0), out.stride(1), out.stride(2), int(is_causal), stream)
+    # the library's own (static) CUDA runtime launches in the thread's current context: make it the tensors' device,
+    # which torch's kernels do not (they guard the device themselves), e.g. for a rank's model on cuda:1
+    with torch.cuda.device(out.device):
+        launcher(built.path)(
+            staged.q8.data_ptr(), staged.k8.data_ptr(), staged.v.data_ptr(), staged.q_scale.data_ptr(),
+            staged.k_scale.data_ptr(), staged.v_scale.data_ptr(), out.data_ptr(), int(out_dtype == torch.bfloat16),
+            bsz, hq, hkv, staged.seq_q, sq_pad, staged.seq_kv, skv_pad, d,
+            out.stride(0), out.stride(1), out.stride(2), int(is_causal),
+            torch.cuda.current_stream(out.device).cuda_stream)
     return out
 
 
