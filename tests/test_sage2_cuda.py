@@ -68,7 +68,7 @@ def test_the_source_compiles_for_sm90a_with_the_nvcc_found_here(tmp_path, monkey
             pytest.skip(built.detail)
         assert built.library is not None and built.refusal() is None
         # the host-side checks run before any CUDA call: the typed launcher reaches them and reports the reason
-        launch = sage2_cuda.launcher(built.path)
+        launch = sage2_cuda.launcher(built.library)
         shapes = (1, 2, 2, 64, 64, 128, 128)  # batch, hq, hkv, sq, sq_pad, skv, skv_pad
         with pytest.raises(RuntimeError, match=r"refused the launch: head_dim must be 64 or 128$"):
             launch(0, 0, 0, 0, 0, 0, 0, 1, *shapes, 96, 0, 0, 0, 0, 0)

@@ -19,15 +19,20 @@ def _run(pv: str, staging: str, call: AttentionCall) -> torch.Tensor | tuple[tor
     return op(call.query, call.key, call.value, call.scale, pv, call.is_causal, staging)
 
 
+def shape_rule(call: AttentionCall) -> str | None:
+    """What every sage2 kernel (Triton, Gluon, CUDA) needs of a call's shapes beyond the envelope."""
+    if call.query.shape[0] * call.query.shape[1] > 65535:
+        return f"batch x heads {call.query.shape[0] * call.query.shape[1]} > 65535"
+    if call.key.shape[-1] != call.value.shape[-1]:
+        return "key and value head dims differ"
+    return None
+
+
 class _Sage2(AttentionForm):
     pv = "fp8"
 
     def rule(self, call: AttentionCall) -> str | None:
-        if call.query.shape[0] * call.query.shape[1] > 65535:
-            return f"batch x heads {call.query.shape[0] * call.query.shape[1]} > 65535"
-        if call.key.shape[-1] != call.value.shape[-1]:
-            return "key and value head dims differ"
-        return None
+        return shape_rule(call)
 
     def build(self, call: AttentionCall) -> Runner:
         kernel = choose_kernel(call.query, self.pv, call.is_causal, "triton" if call.return_lse else "auto")

@@ -12,6 +12,7 @@ from ..kernels.sage2_cuda import cuda_refusal, staging_keys
 from ..kernels.sage2_op import sage2_cuda_attention_op
 from ..masks import ALL_PASS
 from .base import AttentionForm, Runner
+from .sage2 import shape_rule
 
 
 def _run(staging: str, call: AttentionCall) -> torch.Tensor:
@@ -21,11 +22,8 @@ def _run(staging: str, call: AttentionCall) -> torch.Tensor:
 
 class Sage2Fp8Cuda(AttentionForm):
     def rule(self, call: AttentionCall) -> str | None:
-        if call.query.shape[0] * call.query.shape[1] > 65535:
-            return f"batch x heads {call.query.shape[0] * call.query.shape[1]} > 65535"
-        if call.key.shape[-1] != call.value.shape[-1]:
-            return "key and value head dims differ"
-        return cuda_refusal(call.query, "fp8")
+        why = shape_rule(call)
+        return why if why is not None else cuda_refusal(call.query, "fp8")
 
     def build(self, call: AttentionCall) -> Runner:
         detail = "INT8 QK, FP8 PV, CUDA kernel" + (", mask dropped" if call.mask_kind == ALL_PASS else "")

@@ -30,7 +30,7 @@ import triton.language as tl
 from .nvfp4 import (BLOCK, E2M1_MAX, E4M3_MAX, NvFp4Tensor, block_dequantized, e2m1_values, quantize_nvfp4,
                     round_to_e2m1)
 from .interpreter import interpreted
-from .sage2_quant import round_to_e4m3, validate_inputs
+from .sage2_quant import refuse_grad, round_to_e4m3, validate_inputs
 
 LOG2E = 1.0 / math.log(2.0)
 P_SCALE = E4M3_MAX * E2M1_MAX          # P in [0, 1] -> [0, 2688]: its block scales reach e4m3's 448
@@ -200,9 +200,7 @@ def nvfp4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
         if why is not None:
             raise ValueError(f"nvfp4_attention cannot run here: {why}")
     validate_inputs(q, k, v, pv="fp16", scale=scale)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        raise NotImplementedError("nvfp4_attention is forward-only: call it under torch.no_grad() or on tensors "
-                                  "without requires_grad")
+    refuse_grad("nvfp4_attention", q, k, v)
     bsz, hq, sq, d = q.shape
     hkv, skv = k.shape[1], k.shape[2]
     out = torch.empty((bsz, hq, sq, d), dtype=q.dtype, device=q.device)

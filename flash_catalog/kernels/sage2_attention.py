@@ -10,8 +10,8 @@ import triton.language as tl
 
 from .activation import round_to_bf16
 from .magic import MAGIC_FLOAT, MAGIC_INT  # integer -> float without I2F (which issues at exp2's 16/clk/SM)
-from .sage2_quant import (Sage2Staged, interpreter_active, quantize_qkv, round_to_e4m3, staging_layout,
-                          validate_inputs)
+from .sage2_quant import (Sage2Staged, interpreter_active, quantize_qkv, refuse_grad, round_to_e4m3,
+                          staging_layout, validate_inputs)
 from .staging import StagingKey, StagingPool
 
 __all__ = ["sage2_attention", "sage2_attention_staged", "default_config", "quantize_qkv", "Sage2Staged",
@@ -273,12 +273,8 @@ def sage2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     kernel (non-causal, D128, sm_90), "triton" the Triton kernel (whose tiles are block_m, block_n, num_warps and
     num_stages), "auto" the choice of `choose_kernel` (Gluon where it serves). `return_lse`: also the natural
     log-sum-exp (B, H, Sq) of the scaled scores in float32 (a ring-attention step needs it; the Triton kernel)."""
-    validate_inputs(q, k, v, pv=pv, scale=scale)
-    if not isinstance(is_causal, bool):
-        raise ValueError(f"is_causal is {is_causal!r}; allowed: True, False")
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        raise NotImplementedError("sage2_attention is forward-only: no backward kernel; call it under "
-                                  "torch.no_grad() / torch.inference_mode() or on tensors without requires_grad")
+    validate_inputs(q, k, v, pv=pv, scale=scale, is_causal=is_causal)
+    refuse_grad("sage2_attention", q, k, v)
     tiles_given = any(x is not None for x in (block_m, block_n, num_warps, num_stages))
     if tiles_given and kernel == "gluon":
         raise ValueError("block_m, block_n, num_warps and num_stages are the Triton kernel's; "

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from .cuda_build import CudaBuild, arch_refusal, load_library
-from .sage2_quant import Sage2Staged, quantize_qkv, staging_layout, validate_inputs
+from .sage2_quant import Sage2Staged, quantize_qkv, refuse_grad, staging_layout, validate_inputs
 from .staging import StagingKey, StagingPool
 
 SOURCE = Path(__file__).with_name("cuda") / "sage2_sm90.cu"
@@ -65,9 +65,8 @@ class Launcher:
 
 
 @functools.cache
-def launcher(path: Path) -> Launcher:
-    """The launcher of the library built at `path` (one per library)."""
-    lib = ctypes.CDLL(str(path))
+def launcher(lib: ctypes.CDLL) -> Launcher:
+    """The typed launcher of a loaded kernel library (`build().library`; one per library)."""
     launch, error = lib.fc_sage2_sm90_fp8, lib.fc_sage2_sm90_error
     p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
     launch.argtypes = [p, p, p, p, p, p, p, i, i, i, i, i, i, i, i, i, ll, ll, ll, i, p]
@@ -86,7 +85,7 @@ def sage2_cuda_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, is_causal:
     if out_dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"out_dtype is {out_dtype}; allowed: torch.float16, torch.bfloat16")
     built = build()
-    if built.library is None or built.path is None:
+    if built.library is None:
         raise RuntimeError(f"the sage2 CUDA kernel is unavailable: {built.detail}")
     bsz, hq, sq_pad, d = staged.q8.shape
     hkv, skv_pad = staged.k8.shape[1], staged.k8.shape[2]
@@ -97,7 +96,7 @@ def sage2_cuda_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, is_causal:
     # the library's own (static) CUDA runtime launches in the thread's current context: make it the tensors' device,
     # which torch's kernels do not (they guard the device themselves), e.g. for a rank's model on cuda:1
     with torch.cuda.device(out.device):
-        launcher(built.path)(
+        launcher(built.library)(
             staged.q8.data_ptr(), staged.k8.data_ptr(), staged.v.data_ptr(), staged.q_scale.data_ptr(),
             staged.k_scale.data_ptr(), staged.v_scale.data_ptr(), out.data_ptr(), int(out_dtype == torch.bfloat16),
             bsz, hq, hkv, staged.seq_q, sq_pad, staged.seq_kv, skv_pad, d,
@@ -111,12 +110,8 @@ def sage2_cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
     """softmax(q k^T * scale) v for (B, H, S, D) fp16/bf16 CUDA tensors on sm_90, through the CUDA kernel; the
     arguments and guarantees of `sage2_attention(..., pv="fp8")` (forward only, inputs never written, a new
     contiguous output). Raises ValueError naming the reason where `cuda_refusal` finds one."""
-    validate_inputs(q, k, v, pv="fp8", scale=scale)
-    if not isinstance(is_causal, bool):
-        raise ValueError(f"is_causal is {is_causal!r}; allowed: True, False")
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        raise NotImplementedError("sage2_cuda_attention is forward-only: no backward kernel; call it under "
-                                  "torch.no_grad() / torch.inference_mode() or on tensors without requires_grad")
+    validate_inputs(q, k, v, pv="fp8", scale=scale, is_causal=is_causal)
+    refuse_grad("sage2_cuda_attention", q, k, v)
     why = cuda_refusal(q, "fp8")
     if why is not None:
         raise ValueError(f"the sage2 CUDA kernel cannot serve this call: {why}")

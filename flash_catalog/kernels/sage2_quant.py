@@ -74,7 +74,7 @@ def _is_pow2(n: int) -> bool:
 
 
 def validate_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pv: str = "fp8",
-                    scale: float | None = None) -> None:
+                    scale: float | None = None, is_causal: bool = False) -> None:
     """Raise ValueError naming the bad input and the allowed values; return None when the call can run."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -120,6 +120,16 @@ def validate_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pv: st
     if scale is not None:
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
             raise ValueError(f"scale is {scale!r}; allowed: None or a finite float > 0")
+    if not isinstance(is_causal, bool):
+        raise ValueError(f"is_causal is {is_causal!r}; allowed: True, False")
+
+
+def refuse_grad(name: str, *tensors: torch.Tensor) -> None:
+    """Raise NotImplementedError naming the function `name` where autograd would need a backward: these attention
+    kernels are forward-only."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise NotImplementedError(f"{name} is forward-only: no backward kernel; call it under torch.no_grad() / "
+                                  "torch.inference_mode() or on tensors without requires_grad")
 
 
 @dataclass(frozen=True)
@@ -393,5 +403,4 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale:
     else:
         v_out, v_scale_out = v, None
     return Sage2Staged(q8=q8, q_scale=q_scale, k8=k8, k_scale=k_scale, v=v_out, v_scale=v_scale_out, k_mean=k_mean,
-                       pv=pv,
-                       block_m=block_m, block_n=block_n, seq_q=sq, seq_kv=skv)
+                       pv=pv, block_m=block_m, block_n=block_n, seq_q=sq, seq_kv=skv)
