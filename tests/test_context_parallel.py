@@ -87,24 +87,19 @@ def _scenario(name: str, kind: str, out_dir: Path) -> dict:
     state = {k: v.clone() for k, v in host.model.state_dict().items()}
     result: dict = {"reference": reference, "host_cp": host_cp}
     if kind == "ring":  # a form that cannot return the log-sum-exp is refused at ring steps
-        spec = out_dir / f"sdpa_no_lse_rank{torch.distributed.get_rank()}.toml"  # one file per rank: no race
-        spec.write_text(NO_LSE_SPEC)
+        spec = _rank_spec(out_dir, "sdpa_no_lse", "flash_catalog.forms.sdpa_dense:SdpaDense")
         plan = attach(host.model, inputs, attention_forms=["sdpa_no_lse"], min_speedup=0, timing_rounds=3,
                       catalog=Catalog.load([spec]))
         result["no_lse"] = [s.to_dict() for s in plan.sites]
         detach(plan)
     if name == "wan" and kind == "ulysses":  # a form failing on rank 1 only: refused on both ranks, none waits alone
-        spec = out_dir / f"flaky_rank{torch.distributed.get_rank()}.toml"
-        spec.write_text(NO_LSE_SPEC.replace("sdpa_no_lse", "flaky").replace(
-            "flash_catalog.forms.sdpa_dense:SdpaDense", "noisy_form:FailsWhenTimedOnRank1"))
+        spec = _rank_spec(out_dir, "flaky", "noisy_form:FailsWhenTimedOnRank1")
         plan = attach(host.model, inputs, attention_forms=["flaky", "sdpa_dense"], min_speedup=0, timing_rounds=3,
                       catalog=Catalog.load([spec], extend=True))
         result["flaky"] = [s.to_dict() for s in plan.sites]
         detach(plan)
         # a form whose build reaches a collective on rank 0 only: both ranks stop at once, the host restored
-        spec = out_dir / f"out_of_step_rank{torch.distributed.get_rank()}.toml"
-        spec.write_text(NO_LSE_SPEC.replace("sdpa_no_lse", "out_of_step").replace(
-            "flash_catalog.forms.sdpa_dense:SdpaDense", "noisy_form:OutOfStepOnRank1"))
+        spec = _rank_spec(out_dir, "out_of_step", "noisy_form:OutOfStepOnRank1")
         try:
             attach(host.model, inputs, attention_forms=["out_of_step"], min_speedup=0, timing_rounds=3,
                    catalog=Catalog.load([spec], extend=True))
@@ -140,6 +135,14 @@ def _scenario(name: str, kind: str, out_dir: Path) -> dict:
     after = host.model.state_dict()
     result["state_equal"] = set(after) == set(state) and all(torch.equal(after[k], state[k]) for k in state)
     return result
+
+
+def _rank_spec(out_dir: Path, name: str, implementation: str) -> Path:
+    """A spec file like NO_LSE_SPEC under another name and implementation; one file per rank: no race."""
+    spec = out_dir / f"{name}_rank{torch.distributed.get_rank()}.toml"
+    spec.write_text(NO_LSE_SPEC.replace("sdpa_no_lse", name).replace(
+        "flash_catalog.forms.sdpa_dense:SdpaDense", implementation))
+    return spec
 
 
 def _cp_plan(model):
