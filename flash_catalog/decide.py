@@ -186,7 +186,9 @@ def _decide(trial: Trial, contenders: Sequence[Contender], options: GateOptions,
     declined: Measured | None = None
     for tier in tiers(contenders):
         passed: list[Measured] = []
-        for contender in tier:
+        pending = by_known_speed(tier, timings, trial.site)
+        while pending:
+            contender = pending.pop(0)
             measured = _measure(trial, contender, host_out, options, timings, clock, record)
             if measured is None:
                 continue
@@ -198,6 +200,9 @@ def _decide(trial: Trial, contenders: Sequence[Contender], options: GateOptions,
                 record.trail.append(receipts.declined(contender.name, measured.timing, measured.timed_at, need,
                                                       trial.shape, measured.accuracy))
                 declined = declined or measured
+            if passed:
+                _skip_slower(pending, max(passed, key=lambda m: m.timing.speedup), options, timings, trial.site,
+                             record)
         if passed:
             best = max(passed, key=lambda m: m.timing.speedup)
             for other in passed:
@@ -216,6 +221,31 @@ def _decide(trial: Trial, contenders: Sequence[Contender], options: GateOptions,
         record.outcome = "refused"
         record.reason = "; ".join(record.trail)
     return Decision(record, None, host_out)
+
+
+def by_known_speed(tier: Sequence[Contender], timings: TimingCache, site: str) -> list[Contender]:
+    """The tier in the order to try it: forms not yet timed at this shape first (as listed), then the timed ones,
+    fastest first, so that once one passes, the forms known to be slower need not be built or run."""
+    known = {c.name: timings.known(c.timing_key, site) for c in tier}
+    untimed = [c for c in tier if known[c.name] is None]
+    timed = sorted((c for c in tier if known[c.name] is not None), key=lambda c: -known[c.name][0].speedup)
+    return untimed + timed
+
+
+def _skip_slower(pending: list[Contender], best: Measured, options: GateOptions, timings: TimingCache, site: str,
+                 record: ShapeRecord) -> None:
+    """Drop from `pending` the forms that would pass the speed gate but whose known timing is below `best`'s: the
+    fastest passing form binds, so they cannot win. Done only once every pending form is timed (the order of
+    `by_known_speed` then puts them last); a form known not to be faster stays, to be declined as before."""
+    known = [timings.known(c.timing_key, site) for c in pending]
+    if any(k is None for k in known):
+        return
+    for contender, (timing, note) in zip(list(pending), known):
+        if clears(timing, options.speedup_needed(contender.spec)) and timing.speedup <= best.timing.speedup:
+            pending.remove(contender)
+            record.timings[contender.name] = timing
+            record.trail.append(receipts.not_run_slower(contender.name, receipts.figures(timing, note),
+                                                        best.contender.name))
 
 
 def _fill(record: ShapeRecord, outcome: str, m: Measured) -> None:

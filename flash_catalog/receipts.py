@@ -49,6 +49,11 @@ def slower(form: str, speed: str, winner: str) -> str:
     return f"{form}: passed at {speed}, slower than {winner}"
 
 
+def not_run_slower(form: str, speed: str, winner: str) -> str:
+    """A form whose timing at this shape (from another site or a receipt) is below the winner's: not run here."""
+    return f"{form}: not run here, {speed} is slower than {winner}"
+
+
 def host_only(problem: str) -> str:
     return f"host only: {problem}"
 

@@ -435,3 +435,28 @@ def test_a_site_called_at_two_shapes_is_decided_per_shape():
     run(host.model, large)
     assert plan.fallbacks == {} and plan.routed["transformer_blocks.0.attn1#0"] == 2
     detach(plan)
+
+
+def test_a_form_timed_slower_at_its_shape_is_not_run_at_the_next_site(tmp_path):
+    """Two forms of one tier both pass at blocks.0; at blocks.1 (same shape) the faster one is tried first and
+    binds, and the slower one is not built or run: its timing from blocks.0 is enough to lose."""
+    write_spec(tmp_path, "sdpa_a")
+    write_spec(tmp_path, "sdpa_b")
+    host = build("wan")
+    before = snapshot(host.model)
+    plan = attach(host.model, host.inputs(), catalog=Catalog.load([tmp_path]), min_speedup=0,
+                  attention_forms=["sdpa_a", "sdpa_b"])
+    first_site, second = (plan.site(f"blocks.{b}.attn1#0").shapes[0] for b in (0, 1))
+    assert first_site.outcome == second.outcome == "bound"
+    winner = second.form
+    loser = ({"sdpa_a", "sdpa_b"} - {winner}).pop()
+    assert set(second.timings) == {"sdpa_a", "sdpa_b"}
+    assert second.timings[loser].speedup <= second.timings[winner].speedup
+    assert first_site.form == winner  # the same timings decided blocks.0, where both forms ran
+    assert any(line.startswith(f"{loser}: passed at") for line in first_site.trail)
+    assert second.trail == [
+        f"{loser}: not run here, {second.timings[loser].describe()} (timed at blocks.0.attn1#0) is slower than {winner}",
+        second.reason]
+    assert second.reason.startswith(f"{winner}: ") and "(timed at blocks.0.attn1#0)" in second.reason
+    detach(plan)
+    assert_restored(host.model, before)

@@ -299,9 +299,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="bf16 as from_pretrained loads it (fp32-kept modules stay fp32) or every tensor")
     p.add_argument("--recompile-limit", type=int, default=None, help="torch._dynamo.config.recompile_limit")
     p.add_argument("--reattach", action="store_true",
-                   help="after each profile's detach, attach it once more and detach: the attach time with the "
-                        "kernels already compiled (what a second attach costs, in this process or from Triton's "
-                        "disk cache)")
+                   help="after each profile's detach, attach it once more from the first attach's receipt "
+                        "(plan=, as a saved plan is reused: no paired timing, accuracy gated at every site), "
+                        "then detach")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="default bench_model_<model>[_tiny].json")
     args = p.parse_args(argv)
@@ -447,21 +447,24 @@ class Bench:
             guarded(self.report, prof, f"reattach {profile}", lambda: self.reattach(profile, prof))
 
     def reattach(self, profile: str, prof: dict[str, Any]) -> None:
-        """A second attach of the profile (its kernels compiled by the first), then detach."""
+        """A second attach of the profile from the first's receipt (round-tripped through JSON), then detach."""
         if not self.budget.fits(prof["attach_s"], f"reattach {profile}"):
             prof["reattach"] = "skipped: budget"
             return
         sync(self.device)
         t0 = time.monotonic()
-        plan = attach(self.model, self.inputs, **({} if profile == "default" else {"profile": profile}))
+        receipt = Plan.from_dict(json.loads(json.dumps(prof["plan"])), source="the first attach's receipt")
+        plan = attach(self.model, self.inputs, plan=receipt, **({} if profile == "default" else {"profile": profile}))
         sync(self.device)
         prof["reattach_s"] = time.monotonic() - t0
+        prof["reattach_receipt"] = asdict(plan.receipt) if plan.receipt is not None else None
         prof["reattach_timings"] = asdict(plan.timings) if plan.timings is not None else None
         prof["reattach_same_bindings"] = (
             Counter(f"{s.kind}:{s.form}" for s in plan.sites if s.outcome == "bound") == Counter(prof["bound"]))
         detach(plan)
         prof["reattach_state_dict_equal"] = not fingerprint_mismatches(self.before, fingerprint(self.model))
-        log(f"reattach {profile}: {prof['reattach_s']:.1f} s, same bindings {prof['reattach_same_bindings']}; "
+        log(f"reattach {profile}: {prof['reattach_s']:.1f} s, receipt {prof['reattach_receipt']}, same bindings "
+            f"{prof['reattach_same_bindings']}; "
             f"{plan.timings.describe() if plan.timings is not None else '-'}")
 
     def attach(self, profile: str, prof: dict[str, Any]) -> Plan | None:
@@ -610,7 +613,7 @@ def print_tables(data: dict[str, Any]) -> None:
               f"{fmt(r.get('cos_vs_host_eager'), '12.7f')} {' '.join(f'{t:.0f}' for t in r.get('steps_ms', []))}")
     if not data["profiles"]:
         return
-    print(f"\n{'profile':18} {'attach s':>8} {'again s':>7} {'peak+ GB':>8} {'resid. GB':>9} {'b/d/r/h':>11} "
+    print(f"\n{'profile':18} {'attach s':>8} {'receipt s':>9} {'peak+ GB':>8} {'resid. GB':>9} {'b/d/r/h':>11} "
           f"{'detach equal: eager/compiled/state':>34}  bound")
     for p in data["profiles"]:
         if "attach_s" not in p:
@@ -620,7 +623,7 @@ def print_tables(data: dict[str, Any]) -> None:
         counts = f"{c.get('bound', 0)}/{c.get('declined', 0)}/{c.get('refused', 0)}/{c.get('host', 0)}"
         eq = "/".join(str(p.get(k, '-')) for k in ("detach_eager_equal", "detach_compiled_equal",
                                                      "detach_state_dict_equal"))
-        print(f"{p['profile']:18} {p['attach_s']:8.1f} {fmt(p.get('reattach_s'), '7.1f')} "
+        print(f"{p['profile']:18} {p['attach_s']:8.1f} {fmt(p.get('reattach_s'), '9.1f')} "
               f"{fmt(p.get('peak_extra_gb'), '8.2f')} "
               f"{fmt(p.get('resident_change_gb'), '9.2f')} {counts:>11} {eq:>34}  {p.get('bound')}")
         if p.get("status") != "ok":
