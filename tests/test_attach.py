@@ -455,7 +455,8 @@ def test_a_form_timed_slower_at_its_shape_is_not_run_at_the_next_site(tmp_path):
     assert first_site.form == winner  # the same timings decided blocks.0, where both forms ran
     assert any(line.startswith(f"{loser}: passed at") for line in first_site.trail)
     assert second.trail == [
-        f"{loser}: not run here, {second.timings[loser].describe()} (timed at blocks.0.attn1#0) is slower than {winner}",
+        f"{loser}: not run here, {second.timings[loser].describe()} (timed at blocks.0.attn1#0) is slower than "
+        f"{winner}",
         second.reason]
     assert second.reason.startswith(f"{winner}: ") and "(timed at blocks.0.attn1#0)" in second.reason
     detach(plan)

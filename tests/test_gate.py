@@ -13,8 +13,9 @@ import time
 import pytest
 import torch
 
-from flash_catalog.gate import (BLOCK_S, SETTLE_S, SpeedVerdict, Timing, block_samples, measure_accuracy, paired_speedup,
-                                repeats, settle_calls, signed_rank_interval, split, summarize, walsh_averages)
+from flash_catalog.gate import (BLOCK_S, SETTLE_S, SpeedVerdict, Timing, block_samples, measure_accuracy,
+                                paired_speedup, repeats, settle_calls, signed_rank_interval, split, summarize,
+                                walsh_averages)
 
 CPU = torch.device("cpu")
 
