@@ -184,24 +184,20 @@ def signed_rank_interval(values: list[float], confidence: float = CONFIDENCE) ->
 # of the same callable lasting about SETTLE_S.
 SETTLE_S = {"cuda": 0.1, "cpu": 0.0}
 SAMPLES_PER_SETTLE = {"cuda": 3, "cpu": 1}
-"""Timed samples a side takes after one settle, at least: its clock stays steady over them, so the settle is paid
-once for several rounds (each sample pairs with the other side's sample of the same index)."""
-BLOCK_S = {"cuda": 0.05, "cpu": 0.0}
-"""A settled block takes more samples than `SAMPLES_PER_SETTLE` while the longer side's block stays within this
-many seconds: a short call's samples (a few ms) would otherwise pay a 0.1 s settle every three samples."""
+"""Timed samples a side takes after one settle: its clock stays steady over them, so the settle is paid once for
+several rounds (each sample pairs with the other side's sample of the same index)."""
 
 
 def paired_speedup(host: Callable[[], object], form: Callable[[], object], device: torch.device,
                    rounds: int = 15, warmup: int = 2, min_round_s: float = 2e-3, settle_s: float | None = None,
                    need: float | None = None, max_rounds: int | None = None, timer: Timer | None = None,
-                   per_settle: int | None = None, block_s: float | None = None) -> Timing:
+                   per_settle: int | None = None) -> Timing:
     """Alternate host and form timings round by round (host first in even rounds, form first in odd ones).
 
     Each timed sample repeats its call enough times to last about `min_round_s` (counted per side), so short
     calls are not measured as launch noise, and follows an untimed run of the same call lasting about `settle_s`
     (None: `SETTLE_S` for the device type), so each side is timed in its own steady clock and power state; one
-    settle serves `per_settle` consecutive samples of a side (None: `SAMPLES_PER_SETTLE` for the device type), or
-    more, in blocks of equal size, while the longer side's block lasts at most `block_s` (None: `BLOCK_S`).
+    settle serves `per_settle` consecutive samples of a side (None: `SAMPLES_PER_SETTLE` for the device type).
     With `need` (the speedup a bind requires), a timing still UNDECIDED after `rounds` takes `rounds` more at a
     time, up to `max_rounds` (None: 3 x rounds), since the interval narrows as rounds accrue. `timer` (None: CUDA
     events on GPU, `time.perf_counter` on CPU) measures `timer(fn, reps)` seconds per call.
@@ -209,7 +205,6 @@ def paired_speedup(host: Callable[[], object], form: Callable[[], object], devic
     timer = timer or (_cuda_timer if device.type == "cuda" else _cpu_timer)
     settle_s = SETTLE_S.get(device.type, 0.0) if settle_s is None else settle_s
     per_settle = SAMPLES_PER_SETTLE.get(device.type, 1) if per_settle is None else per_settle
-    block_s = BLOCK_S.get(device.type, 0.0) if block_s is None else block_s
     max_rounds = 3 * rounds if max_rounds is None else max_rounds
     if settle_s < 0:
         raise ValueError(f"settle_s={settle_s}; expected seconds >= 0")
@@ -223,8 +218,6 @@ def paired_speedup(host: Callable[[], object], form: Callable[[], object], devic
     host_once, form_once = timer(host, 1), timer(form, 1)
     host_plan = (settle_calls(settle_s, host_once), repeats(min_round_s, host_once))
     form_plan = (settle_calls(settle_s, form_once), repeats(min_round_s, form_once))
-    sample_s = max(host_plan[1] * host_once, form_plan[1] * form_once)
-    per_block = block_samples(per_settle, block_s, sample_s)
 
     def block(fn: Callable[[], object], plan: tuple[int, int], count: int) -> list[float]:
         settle, reps = plan
@@ -234,18 +227,17 @@ def paired_speedup(host: Callable[[], object], form: Callable[[], object], devic
 
     host_s: list[float] = []
     form_s: list[float] = []
-    blocks_taken = 0
 
     def take(count: int) -> Timing:
-        nonlocal blocks_taken
-        for n in split(count, per_block):
-            if blocks_taken % 2 == 0:
+        while count > 0:
+            n = min(per_settle, count)
+            if (len(host_s) // per_settle) % 2 == 0:
                 host_s.extend(block(host, host_plan, n))
                 form_s.extend(block(form, form_plan, n))
             else:
                 form_s.extend(block(form, form_plan, n))
                 host_s.extend(block(host, host_plan, n))
-            blocks_taken += 1
+            count -= n
         return summarize(host_s, form_s, device)
 
     timing = take(rounds)
@@ -258,17 +250,6 @@ def repeats(min_round_s: float, call_s: float, limit: int = 1000) -> int:
     """Calls per timed sample so that it lasts about `min_round_s` (each side its own: a slow form is not
     repeated as often as a fast host needs)."""
     return min(limit, max(1, int(min_round_s / max(call_s, 1e-7))))
-
-
-def block_samples(per_settle: int, block_s: float, sample_s: float, limit: int = 1000) -> int:
-    """Samples per settled block: `per_settle`, or as many as fit `block_s` at `sample_s` each when more do."""
-    return max(per_settle, min(limit, int(block_s / max(sample_s, 1e-7))))
-
-
-def split(count: int, most: int) -> list[int]:
-    """`count` samples in the fewest blocks of at most `most`, as even as can be (9 by 4: 3, 3, 3)."""
-    blocks = -(-count // most)
-    return [count // blocks + (1 if i < count % blocks else 0) for i in range(blocks)]
 
 
 def settle_calls(settle_s: float, call_s: float, limit: int = 10_000) -> int:

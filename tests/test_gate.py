@@ -13,9 +13,8 @@ import time
 import pytest
 import torch
 
-from flash_catalog.gate import (BLOCK_S, SETTLE_S, SpeedVerdict, Timing, block_samples, measure_accuracy,
-                                paired_speedup, repeats, settle_calls, signed_rank_interval, split, summarize,
-                                walsh_averages)
+from flash_catalog.gate import (SETTLE_S, SpeedVerdict, Timing, measure_accuracy, paired_speedup, repeats, settle_calls,
+                                signed_rank_interval, summarize, walsh_averages)
 
 CPU = torch.device("cpu")
 
@@ -54,31 +53,6 @@ def test_each_timed_block_follows_an_untimed_run_of_the_same_side():
     # block: settle (>= 1 call of ~1 ms for 10 ms, more unless sleeps overshoot a lot) + 1 timed call
     assert [side for side, _ in itertools.groupby(timed)] == ["host", "form", "host", "form", "host"]
     assert all(n >= 3 for n in _runs(timed)), _runs(timed)
-
-
-def test_short_samples_share_one_settle_per_block():
-    assert block_samples(3, 0.05, 0.016) == 3  # a 16 ms sample: three per block, as SAMPLES_PER_SETTLE says
-    assert block_samples(3, 0.05, 0.002) == 25  # a 2 ms sample: as many as fill 50 ms
-    assert block_samples(1, 0.0, 0.002) == 1 and BLOCK_S["cpu"] == 0.0  # the CPU times call by call
-    assert split(9, 3) == [3, 3, 3] and split(9, 4) == [3, 3, 3] and split(9, 25) == [9] and split(5, 2) == [2, 2, 1]
-    calls: list[str] = []
-
-    def host():
-        calls.append("host")
-        time.sleep(1e-3)
-
-    def form():
-        calls.append("form")
-        time.sleep(1e-3)
-
-    timing = paired_speedup(host, form, CPU, rounds=6, warmup=1, min_round_s=0.0, settle_s=5e-3, per_settle=2,
-                            block_s=1.0)
-    # each side: one settled block holding all six samples, instead of three blocks of two
-    assert [side for side, _ in itertools.groupby(calls[4:])] == ["host", "form"] and timing.rounds == 6
-    calls.clear()
-    paired_speedup(host, form, CPU, rounds=6, warmup=1, min_round_s=0.0, settle_s=5e-3, per_settle=2, block_s=0.0)
-    # three blocks of two: (host, form), (form, host), (host, form); adjacent runs of one side merge
-    assert [side for side, _ in itertools.groupby(calls[4:])] == ["host", "form", "host", "form"]
 
 
 def test_without_settling_the_sides_alternate_call_by_call():
