@@ -8,7 +8,9 @@ Every rank builds the same model and inputs (tools/bench_model.py's builders and
 - `cp_attached`: `attach` on the parallel model (timed; every decision agreed across the ranks), then timed.
 Then: the plans of all ranks compared (site records, byte for byte as JSON), detach, the output bit-equal to
 `cp_host`'s and the state dict equal to its fingerprint before attach, on every rank. Each row: the median of
-`--steps` timed steps after `--warmup`, the slowest rank's. Rank 0 prints the table and writes the JSON.
+`--steps` timed steps after `--warmup`, the slowest rank's. Rank 0 prints the table and writes the JSON. A derived
+line follows (`overhead` in the JSON, not timed on its own): how much the CP host step exceeds an even split of the
+single-GPU step (collectives, imbalance), and cp_attached's speedup with that share taken off both sides.
 
     torchrun --nproc-per-node 2 tools/bench_cp.py --model wan720 --ulysses 2 [--single-attach]
         [--profile default] [--steps 3] [--warmup 1] [--json bench_cp_wan720.json]
@@ -141,12 +143,14 @@ def main(argv: list[str] | None = None) -> int:
     for name in rows:
         base = rows["cp_host" if name.startswith("cp_") else "single_host"]["ms"]
         rows[name]["speedup"] = base / rows[name]["ms"]
+    overhead = parallel_overhead(rows, degree)
     result = {"header": {"model": args.model, "tiny": args.tiny, "tokens": tokens, "world_size": world,
                          "kind": kind, "degree": degree, "backend": backend, "profile": args.profile,
                          "min_speedup": args.min_speedup, "steps": args.steps, "warmup": args.warmup,
                          "command": f"torchrun --nproc-per-node {world} " + " ".join(sys.argv),
                          "environment": bm.environment(device)},
-              "rows": rows, "plans_identical": plans_identical, "detach_exact": exact, "plan": record}
+              "rows": rows, "overhead": overhead, "plans_identical": plans_identical, "detach_exact": exact,
+              "plan": record}
     if rank == 0:
         path = Path(args.json or f"bench_cp_{args.model}{'_tiny' if args.tiny else ''}.json")
         path.write_text(json.dumps(result, indent=2, default=str) + "\n")
@@ -154,6 +158,14 @@ def main(argv: list[str] | None = None) -> int:
         say(f"wrote {path}")
     dist.destroy_process_group()
     return 0 if plans_identical and exact else 1
+
+
+def parallel_overhead(rows: dict[str, dict[str, Any]], degree: int) -> dict[str, float]:
+    """Derived, not timed on its own: what the CP host step adds to an even split of the single-GPU step (the
+    collectives, and any imbalance), and the attached CP step's speedup over the CP host once that share, which no
+    form touches, is taken off both. Compare the latter with `single_attached`'s speedup."""
+    ms = rows["cp_host"]["ms"] - rows["single_host"]["ms"] / degree
+    return {"ms": ms, "speedup_without": (rows["cp_host"]["ms"] - ms) / (rows["cp_attached"]["ms"] - ms)}
 
 
 def print_table(result: dict[str, Any]) -> None:
@@ -165,6 +177,9 @@ def print_table(result: dict[str, Any]) -> None:
         attach_s = f"{row['attach_s']:.1f}" if "attach_s" in row else "-"
         bound = row.get("counts", {}).get("bound", "-")
         print(f"{name:16} {row['ms']:10.1f} {row['speedup']:8.3f} {row['cosine']:9.5f} {attach_s:>9}  {bound}")
+    o = result["overhead"]
+    print(f"derived: the CP host step exceeds the single-GPU step / {h['degree']} by {o['ms']:.1f} ms (collectives, "
+          f"imbalance); without it on both sides cp_attached is {o['speedup_without']:.3f}x")
     print(f"plans identical on every rank: {result['plans_identical']}; detach exact on every rank: "
           f"{result['detach_exact']}")
 
