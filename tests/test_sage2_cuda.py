@@ -71,9 +71,9 @@ def test_the_source_compiles_for_sm90a_with_the_nvcc_found_here(tmp_path, monkey
         launch = sage2_cuda.launcher(built.library)
         shapes = (1, 2, 2, 64, 64, 128, 128)  # batch, hq, hkv, sq, sq_pad, skv, skv_pad
         with pytest.raises(RuntimeError, match=r"refused the launch: head_dim must be 64 or 128$"):
-            launch(0, 0, 0, 0, 0, 0, 0, 1, *shapes, 96, 0, 0, 0, 0, 0)
+            launch(0, 0, 0, 0, 0, 0, 0, 0, 1, *shapes, 96, 0, 0, 0, 0, 0)
         with pytest.raises(RuntimeError, match=r"query heads must be a multiple of key/value heads$"):
-            launch(0, 0, 0, 0, 0, 0, 0, 1, 1, 3, 2, 64, 64, 128, 128, 128, 0, 0, 0, 0, 0)
+            launch(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 3, 2, 64, 64, 128, 128, 128, 0, 0, 0, 0, 0)
     finally:
         forget_builds()
 
@@ -123,6 +123,44 @@ def test_cuda_kernel_matches_fp64_and_the_triton_kernel(b, hq, hkv, sq, skv, d, 
     # the same algorithm as the Triton kernel (whose Q tiles are 128 rows, so its scales differ): as close to exact
     triton_err = _rel_l2(sage2_attention(q, k, v, pv="fp8", is_causal=causal, kernel="triton"), exact)
     assert _rel_l2(out, exact) <= 1.1 * triton_err + 1e-3
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("b,hq,hkv,sq,skv,d,causal", [
+    (1, 4, 4, 1000, 777, 128, False), (2, 6, 2, 333, 1500, 64, False), (1, 4, 2, 700, 700, 128, True),
+    (1, 2, 2, 513, 900, 64, True), (1, 2, 1, 129, 1, 128, False)])
+def test_log_sum_exp_for_ring_steps(b, hq, hkv, sq, skv, d, causal):
+    """return_lse: the same output, and each row's natural log-sum-exp of the scaled scores, the K mean's share added
+    back (K carries a bias here, so a forgotten correction is far off)."""
+    g = torch.Generator(device="cuda").manual_seed(sq + skv + d)
+    q = torch.randn(b, hq, sq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(b, hkv, skv, d, device="cuda", dtype=torch.bfloat16, generator=g) + 1.0
+    v = torch.randn(b, hkv, skv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    scale = 0.125
+    out, lse = sage2_cuda.sage2_cuda_attention(q, k, v, scale=scale, is_causal=causal, return_lse=True)
+    assert torch.equal(out, sage2_cuda.sage2_cuda_attention(q, k, v, scale=scale, is_causal=causal))
+    scores = torch.einsum("bhsd,bhtd->bhst", q.double(), k.double().repeat_interleave(hq // hkv, dim=1)) * scale
+    if causal:
+        scores = scores.masked_fill(torch.ones(sq, skv, dtype=torch.bool, device="cuda").triu(1), float("-inf"))
+    exact = torch.logsumexp(scores, dim=-1)
+    assert lse.shape == (b, hq, sq) and lse.dtype == torch.float32 and lse.is_contiguous()
+    assert (lse.double() - exact).abs().max() < 0.02  # INT8 Q.K^T noise on scores of a few units
+    staged = quantize_qkv(q, k, v, pv="fp8", block_m=64, block_n=128, v_mma_order=True)
+    with pytest.raises(ValueError, match=r"lse is \(1, 4\) torch.float32 on cuda:0; expected a contiguous"):
+        sage2_cuda.sage2_cuda_staged(staged, out_dtype=q.dtype, lse=torch.empty(1, 4, device="cuda"))
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_the_lse_op_compiles_fullgraph():
+    from flash_catalog.kernels.sage2_op import sage2_cuda_attention_lse_op
+
+    q = torch.randn(1, 4, 1000, 128, device="cuda", dtype=torch.bfloat16)
+    out, lse = sage2_cuda_attention_lse_op(q, q, q, None, False)
+    compiled = torch.compile(lambda x: sage2_cuda_attention_lse_op(x, x, x, None, False), fullgraph=True)
+    c_out, c_lse = compiled(q)
+    assert torch.equal(c_out, out) and torch.equal(c_lse, lse)
 
 
 @pytest.mark.gpu

@@ -9,15 +9,16 @@ import torch
 
 from ..calls import AttentionCall
 from ..kernels.sage2_cuda import cuda_refusal, staging_keys
-from ..kernels.sage2_op import sage2_cuda_attention_op
+from ..kernels.sage2_op import sage2_cuda_attention_lse_op, sage2_cuda_attention_op
 from ..masks import ALL_PASS
 from .base import AttentionForm, Runner
 from .sage2 import shape_rule
 
 
-def _run(staging: str, call: AttentionCall) -> torch.Tensor:
+def _run(staging: str, call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     # an all-pass mask is dropped: the envelope admits only none and all_pass
-    return sage2_cuda_attention_op(call.query, call.key, call.value, call.scale, call.is_causal, staging)
+    op = sage2_cuda_attention_lse_op if call.return_lse else sage2_cuda_attention_op
+    return op(call.query, call.key, call.value, call.scale, call.is_causal, staging)
 
 
 class Sage2Fp8Cuda(AttentionForm):
@@ -26,7 +27,8 @@ class Sage2Fp8Cuda(AttentionForm):
         return why if why is not None else cuda_refusal(call.query, "fp8")
 
     def build(self, call: AttentionCall) -> Runner:
-        detail = "INT8 QK, FP8 PV, CUDA kernel" + (", mask dropped" if call.mask_kind == ALL_PASS else "")
+        detail = ("INT8 QK, FP8 PV, CUDA kernel" + (", log-sum-exp" if call.return_lse else "")
+                  + (", mask dropped" if call.mask_kind == ALL_PASS else ""))
         pool = self.staging
         if pool is None:
             return Runner(functools.partial(_run, ""), detail)

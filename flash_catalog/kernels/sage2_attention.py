@@ -10,8 +10,8 @@ import triton.language as tl
 
 from .activation import round_to_bf16
 from .magic import MAGIC_FLOAT, MAGIC_INT  # integer -> float without I2F (which issues at exp2's 16/clk/SM)
-from .sage2_quant import (Sage2Staged, interpreter_active, quantize_qkv, refuse_grad, round_to_e4m3,
-                          staging_layout, validate_inputs)
+from .sage2_quant import (Sage2Staged, add_key_mean, interpreter_active, quantize_qkv, refuse_grad,
+                          round_to_e4m3, staging_layout, validate_inputs)
 from .staging import StagingKey, StagingPool
 
 __all__ = ["sage2_attention", "sage2_attention_staged", "default_config", "quantize_qkv", "Sage2Staged",
@@ -301,6 +301,4 @@ def sage2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     out = sage2_attention_staged(staged, out_dtype=q.dtype, is_causal=is_causal, num_warps=num_warps,
                                  num_stages=num_stages, lse=lse)
-    # the kernel saw K less its token mean: each row's log-sum-exp is lower by scale * q . mean(K)
-    k_mean = staged.k_mean.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # GQA: each query head's kv head
-    return out, lse.add_(torch.matmul(q.float(), k_mean.unsqueeze(-1)).squeeze(-1), alpha=sm_scale)
+    return out, add_key_mean(lse, q, staged, sm_scale)

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from .cuda_build import CudaBuild, arch_refusal, load_library
-from .sage2_quant import Sage2Staged, quantize_qkv, refuse_grad, staging_layout, validate_inputs
+from .sage2_quant import Sage2Staged, add_key_mean, quantize_qkv, refuse_grad, staging_layout, validate_inputs
 from .staging import StagingKey, StagingPool
 
 SOURCE = Path(__file__).with_name("cuda") / "sage2_sm90.cu"
@@ -69,16 +69,19 @@ def launcher(lib: ctypes.CDLL) -> Launcher:
     """The typed launcher of a loaded kernel library (`build().library`; one per library)."""
     launch, error = lib.fc_sage2_sm90_fp8, lib.fc_sage2_sm90_error
     p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
-    launch.argtypes = [p, p, p, p, p, p, p, i, i, i, i, i, i, i, i, i, ll, ll, ll, i, p]
+    launch.argtypes = [p, p, p, p, p, p, p, p, i, i, i, i, i, i, i, i, i, ll, ll, ll, i, p]
     launch.restype = i
     error.argtypes = []
     error.restype = ctypes.c_char_p
     return Launcher(launch, error)
 
 
-def sage2_cuda_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, is_causal: bool = False) -> torch.Tensor:
+def sage2_cuda_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, is_causal: bool = False,
+                      lse: torch.Tensor | None = None) -> torch.Tensor:
     """Run the CUDA kernel on `quantize_qkv(..., pv="fp8", block_m=64, block_n=128, v_mma_order=True)` staging;
-    returns a new (B, Hq, Sq, D) tensor in `out_dtype` (fp16 or bf16)."""
+    returns a new (B, Hq, Sq, D) tensor in `out_dtype` (fp16 or bf16). `lse` ((B, Hq, Sq) float32, contiguous, on
+    the staging's device): the kernel also writes each row's natural log-sum-exp of the scores it saw, those of K
+    less its token mean (`sage2_cuda_attention(return_lse=True)` adds the rest back)."""
     if staged.pv != "fp8" or (staged.block_m, staged.block_n) != STAGING_TILES:
         raise ValueError(f"the CUDA kernel needs pv='fp8' staging with tiles {STAGING_TILES}; got pv="
                          f"{staged.pv!r}, tiles ({staged.block_m}, {staged.block_n})")
@@ -90,6 +93,10 @@ def sage2_cuda_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, is_causal:
     bsz, hq, sq_pad, d = staged.q8.shape
     hkv, skv_pad = staged.k8.shape[1], staged.k8.shape[2]
     out = torch.empty((bsz, hq, staged.seq_q, d), dtype=out_dtype, device=staged.q8.device)
+    if lse is not None and (lse.shape != out.shape[:-1] or lse.dtype != torch.float32 or not lse.is_contiguous()
+                            or lse.device != out.device):
+        raise ValueError(f"lse is {tuple(lse.shape)} {lse.dtype} on {lse.device}; expected a contiguous "
+                         f"{tuple(out.shape[:-1])} torch.float32 tensor on {out.device}")
     if out.numel() == 0:
         return out
     assert staged.v_scale is not None  # pv="fp8" staging always carries V's scales
@@ -98,7 +105,8 @@ def sage2_cuda_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, is_causal:
     with torch.cuda.device(out.device):
         launcher(built.library)(
             staged.q8.data_ptr(), staged.k8.data_ptr(), staged.v.data_ptr(), staged.q_scale.data_ptr(),
-            staged.k_scale.data_ptr(), staged.v_scale.data_ptr(), out.data_ptr(), int(out_dtype == torch.bfloat16),
+            staged.k_scale.data_ptr(), staged.v_scale.data_ptr(), out.data_ptr(),
+            lse.data_ptr() if lse is not None else None, int(out_dtype == torch.bfloat16),
             bsz, hq, hkv, staged.seq_q, sq_pad, staged.seq_kv, skv_pad, d,
             out.stride(0), out.stride(1), out.stride(2), int(is_causal),
             torch.cuda.current_stream(out.device).cuda_stream)
@@ -106,10 +114,13 @@ def sage2_cuda_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, is_causal:
 
 
 def sage2_cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
-                         is_causal: bool = False, staging: StagingPool | None = None) -> torch.Tensor:
+                         is_causal: bool = False, staging: StagingPool | None = None,
+                         return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """softmax(q k^T * scale) v for (B, H, S, D) fp16/bf16 CUDA tensors on sm_90, through the CUDA kernel; the
     arguments and guarantees of `sage2_attention(..., pv="fp8")` (forward only, inputs never written, a new
-    contiguous output). Raises ValueError naming the reason where `cuda_refusal` finds one."""
+    contiguous output). `return_lse`: also each row's natural log-sum-exp of the scaled scores, (B, H, Sq) float32,
+    as ring attention merges partial results with. Raises ValueError naming the reason where `cuda_refusal` finds
+    one."""
     validate_inputs(q, k, v, pv="fp8", scale=scale, is_causal=is_causal)
     refuse_grad("sage2_cuda_attention", q, k, v)
     why = cuda_refusal(q, "fp8")
@@ -117,8 +128,13 @@ def sage2_cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
         raise ValueError(f"the sage2 CUDA kernel cannot serve this call: {why}")
     d = q.shape[-1]
     if q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0:
-        return torch.empty((q.shape[0], q.shape[1], q.shape[2], d), dtype=q.dtype, device=q.device)
+        out = torch.empty((q.shape[0], q.shape[1], q.shape[2], d), dtype=q.dtype, device=q.device)
+        return (out, torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)) if return_lse else out
     sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
     staged = quantize_qkv(q, k, v, sm_scale=sm_scale, pv="fp8", block_m=STAGING_TILES[0], block_n=STAGING_TILES[1],
                           validate=False, staging=staging, v_mma_order=True)
-    return sage2_cuda_staged(staged, out_dtype=q.dtype, is_causal=is_causal)
+    if not return_lse:
+        return sage2_cuda_staged(staged, out_dtype=q.dtype, is_causal=is_causal)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    out = sage2_cuda_staged(staged, out_dtype=q.dtype, is_causal=is_causal, lse=lse)
+    return out, add_key_mean(lse, q, staged, sm_scale)

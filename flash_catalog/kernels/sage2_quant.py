@@ -151,6 +151,13 @@ class Sage2Staged:
     seq_kv: int
 
 
+def add_key_mean(lse: torch.Tensor, q: torch.Tensor, staged: Sage2Staged, sm_scale: float) -> torch.Tensor:
+    """A kernel's log-sum-exp made the true one, in place: the kernels saw K less its token mean, so each row's
+    log-sum-exp is lower by scale * q . mean(K) (with GQA, the mean of the query head's kv head)."""
+    k_mean = staged.k_mean.repeat_interleave(q.shape[1] // staged.k_mean.shape[1], dim=1)
+    return lse.add_(torch.matmul(q.float(), k_mean.unsqueeze(-1)).squeeze(-1), alpha=sm_scale)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Triton kernels
 # --------------------------------------------------------------------------------------------------------------------

@@ -178,6 +178,7 @@ struct Params {
   const float* k_scale;  // (B*Hkv, n_kb): per 128-key tile
   const float* v_scale;  // (B*Hkv, D): per channel, amax / 448
   void* out;             // (B, Hq, Sq, D), unit stride along D
+  float* lse;            // (B, Hq, Sq) natural log-sum-exp of the scores seen (K less its mean), or null
   long long stride_ob, stride_oh, stride_os;
   int hq, hkv, sq, skv, n_qb, n_kb, out_bf16;
 };
@@ -382,6 +383,14 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
   const float inv_l[2] = {1.0f / l[0], 1.0f / l[1]};
   const float* v_scale = prm.v_scale + static_cast<long long>(bhk) * D;
   const int t = lane & 3;
+  if (prm.lse != nullptr && t == 0) {  // m is log2-domain, l carries P's 448: back to a natural log
+    float* lse_bh = prm.lse + static_cast<long long>(bh) * prm.sq;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int row = r0 + 8 * hh;
+      if (row < prm.sq) lse_bh[row] = (m[hh] + log2f(l[hh]) - kLog2PScale) * 0.6931471805599453f;
+    }
+  }
   char* out_bh = static_cast<char*>(prm.out);
   const int esize = 2;
   out_bh += (static_cast<long long>(b) * prm.stride_ob + static_cast<long long>(h) * prm.stride_oh) * esize;
@@ -477,10 +486,11 @@ const char* fc_sage2_sm90_error() { return g_error; }
 
 // Attention on quantize_qkv staging (pv="fp8", block_m=64, block_n=128, v_mma_order=True): q8 (B, Hq, sq_pad, D)
 // int8, k8 (B, Hkv, skv_pad, D) int8, vt8 (B, Hkv, D, skv_pad) e4m3, all contiguous; out (B, Hq, sq, D) fp16 or
-// bf16 with unit stride along D.
+// bf16 with unit stride along D; lse, where not null, (B, Hq, sq) float32 gets each row's natural log-sum-exp of the
+// scaled scores against K less its token mean (the caller adds scale * q . mean(K) back).
 // Returns 0, or a nonzero code with fc_sage2_sm90_error() saying why.
 int fc_sage2_sm90_fp8(const void* q8, const void* k8, const void* vt8, const float* q_scale, const float* k_scale,
-                      const float* v_scale, void* out, int out_bf16, int batch, int hq, int hkv, int sq,
+                      const float* v_scale, void* out, float* lse, int out_bf16, int batch, int hq, int hkv, int sq,
                       int sq_pad, int skv, int skv_pad, int head_dim, long long stride_ob, long long stride_oh,
                       long long stride_os, int causal, void* stream) {
   if (head_dim != 64 && head_dim != 128) return fail(1, "head_dim must be 64 or 128");
@@ -495,7 +505,7 @@ int fc_sage2_sm90_fp8(const void* q8, const void* k8, const void* vt8, const flo
       !make_map(&tk, k8, d, skv_pad, uint64_t(batch) * hkv, head_dim, kBlockN) ||
       !make_map(&tv, vt8, skv_pad, d, uint64_t(batch) * hkv, kBlockN, head_dim))
     return fail(2, "cuTensorMapEncodeTiled refused a staging tensor (alignment or size)");
-  const Params prm{q_scale, k_scale, v_scale, out, stride_ob, stride_oh, stride_os,
+  const Params prm{q_scale, k_scale, v_scale, out, lse, stride_ob, stride_oh, stride_os,
                    hq, hkv, sq, skv, sq_pad / 64, skv_pad / kBlockN, out_bf16};
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   constexpr int kConsumers = 3;  // two measured 10-20% slower on the H200, also taking turns FA3-style
