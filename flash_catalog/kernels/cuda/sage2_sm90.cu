@@ -11,6 +11,10 @@
 // consumers with 240 registers each, taking turns at the tensor cores FA3-style, measured slower, and a
 // warpgroup overlapping its own softmax with its P.V needs a second accumulator in flight, which spilled.
 //
+// The exponentials (MUFU) and the e4m3 packing share the XU pipe, which the three softmaxes would otherwise hit at
+// once, leaving the tensor cores idle while they do: a token passed round the consumers on named barriers lets one
+// warpgroup at a time run its exponentials, so the others' MMAs and row maxima fall under them.
+//
 // P leaves the softmax as e4m3 packed straight from the score registers into the A-operand registers of the
 // FP8 wgmma. The score layout (thread holds keys 8a+2t+{0,1}) and the A layout (thread holds k 4t..4t+3 and
 // 16+4t..) differ; rather than shuffling bytes, the quantiser stores V^T's keys permuted within every 32 so that
@@ -112,6 +116,18 @@ __device__ __forceinline__ uint64_t smem_desc(const void* tile, int row_bytes) {
   return desc;
 }
 
+// Named barriers 1..3 (0 is __syncthreads): the exponential token. bar.sync waits for the previous consumer's
+// bar.arrive (128 + 128 threads); a ring of three cannot arrive twice before its successor has synced.
+__device__ __forceinline__ void bar_sync_256(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
+__device__ __forceinline__ void bar_arrive_256(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory"); }
+
+// Which named barrier a consumer waits on before its exponentials, which one it signals after, and whether it
+// signals (the ring's last turn has no successor).
+struct Turn {
+  int mine, next;
+  bool pass;
+};
+
 __device__ __forceinline__ float ex2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -196,10 +212,13 @@ struct SharedStorage {
 // Online softmax of one 64 x 128 score block held as the wgmma accumulator (thread: rows r0, r0 + 8; keys
 // 8*j + 2t + {0, 1} for j < 16). Scores are exact int32 dot products; `c` = q_scale * k_scale turns them into the
 // log2 domain. P leaves as e4m3 (scaled by 448) in the FP8 wgmma's A-register order; `l` gets this thread's part of
-// the row sums of the fp32 P (the quad's parts are added at the end); `alpha` rescales the rows' earlier sums. MASKED: keys >= skv, and keys past the row when causal, take no softmax mass.
+// the row sums of the fp32 P (the quad's parts are added at the end); `alpha` rescales the rows' earlier sums. The
+// exponentials and the packing run between waiting for `turn.mine` and signalling `turn.next`. MASKED: keys >= skv,
+// and keys past the row when causal, take no softmax mass.
 template <bool MASKED, bool CAUSAL>
 __device__ __forceinline__ void softmax_block(int32_t (&s)[64], float c, float (&m)[2], float (&l)[2],
-                                              float (&alpha)[2], uint32_t (&p)[16], int col0, int r0, int skv) {
+                                              float (&alpha)[2], uint32_t (&p)[16], int col0, int r0, int skv,
+                                              Turn turn) {
   const int t = threadIdx.x & 3;
   if constexpr (MASKED) {
 #pragma unroll
@@ -231,6 +250,11 @@ __device__ __forceinline__ void softmax_block(int32_t (&s)[64], float c, float (
     m[h] = m_new;
     shift[h] = none ? 0.0f : m_new - kLog2PScale;
   }
+  // x = score * c - shift in one FFMA on the magic-biased float: the bias's share, kMagicFloat * c, is folded into
+  // the offset, whose rounding (half an ulp of ~1.3e7 * c) shifts a whole row block's P and sum alike
+  const float offset[2] = {fmaf(kMagicFloat, c, shift[0]), fmaf(kMagicFloat, c, shift[1])};
+  bar_sync_256(turn.mine);
+  fence_regs(s);  // nothing of the exponentials is hoisted above the wait
   float sum[2] = {0.0f, 0.0f};
   // P for key j (of 16 groups of 8) and row half h, as two e4m3 bytes
   auto pair = [&](int j, int h) -> uint32_t {
@@ -238,8 +262,7 @@ __device__ __forceinline__ void softmax_block(int32_t (&s)[64], float c, float (
 #pragma unroll
     for (int b = 0; b < 2; ++b) {
       const int32_t v = s[4 * j + 2 * h + b];
-      const float f = __int_as_float(v + kMagicInt) - kMagicFloat;
-      const float x = (MASKED && v == INT_MIN) ? -INFINITY : fmaf(f, c, -shift[h]);
+      const float x = (MASKED && v == INT_MIN) ? -INFINITY : fmaf(__int_as_float(v + kMagicInt), c, -offset[h]);
       e[b] = ex2(x);
     }
     sum[h] += e[0] + e[1];
@@ -251,6 +274,10 @@ __device__ __forceinline__ void softmax_block(int32_t (&s)[64], float c, float (
     p[4 * kc + 1] = pair(4 * kc + 0, 1) | (pair(4 * kc + 1, 1) << 16);
     p[4 * kc + 2] = pair(4 * kc + 2, 0) | (pair(4 * kc + 3, 0) << 16);
     p[4 * kc + 3] = pair(4 * kc + 2, 1) | (pair(4 * kc + 3, 1) << 16);
+  }
+  if (turn.pass) {
+    fence_regs(p);  // every exponential is done before the token moves on
+    bar_arrive_256(turn.next);
   }
 #pragma unroll
   for (int h = 0; h < 2; ++h) l[h] = l[h] * alpha[h] + sum[h];
@@ -347,8 +374,10 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
   float alpha[2];
 
   mbar_wait(&sm.q_full, 0);
+  // every consumer runs n_kv blocks, so the token's ring stays whole; the last consumer hands the first its first turn
+  if (cw == NC - 1) bar_arrive_256(1);
   // Per key block: Q.K^T, the softmax, P.V into a fresh fp32 block, then O = O * alpha + block. The other
-  // consumers' MMAs fill the tensor cores while this one runs its softmax.
+  // consumers' MMAs fill the tensor cores while this one runs its exponentials (holding the token).
   for (int j = 0; j < n_kv; ++j) {
     const int slot = j % STAGES;
     mbar_wait(&sm.full[slot], (j / STAGES) & 1);
@@ -358,10 +387,11 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
     wgmma_wait<0>();
     fence_regs(s);
     const float c = q_scale * k_scale[j];
+    const Turn turn{1 + cw, 1 + (cw + 1) % NC, !(cw == NC - 1 && j == n_kv - 1)};
     if (j < n_plain) {
-      softmax_block<false, CAUSAL>(s, c, m, l, alpha, p, j * kBlockN, r0, prm.skv);
+      softmax_block<false, CAUSAL>(s, c, m, l, alpha, p, j * kBlockN, r0, prm.skv, turn);
     } else {
-      softmax_block<true, CAUSAL>(s, c, m, l, alpha, p, j * kBlockN, r0, prm.skv);
+      softmax_block<true, CAUSAL>(s, c, m, l, alpha, p, j * kBlockN, r0, prm.skv, turn);
     }
     fence_regs(p);
     wgmma_fence();
