@@ -165,6 +165,17 @@ def test_log_sum_exp_for_ring_steps(b, hq, hkv, sq, skv, d, causal):
 
 @pytest.mark.gpu
 @needs_hopper
+def test_a_call_without_query_rows_returns_empty_results():
+    k = torch.randn(1, 2, 300, 128, device="cuda", dtype=torch.bfloat16)
+    q = k[:, :, :0]
+    assert sage2_cuda.sage2_cuda_attention(q, k, k).shape == (1, 2, 0, 128)
+    out, lse = sage2_cuda.sage2_cuda_attention(q, k, k, return_lse=True)
+    assert out.shape == (1, 2, 0, 128) and out.dtype == torch.bfloat16
+    assert lse.shape == (1, 2, 0) and lse.dtype == torch.float32
+
+
+@pytest.mark.gpu
+@needs_hopper
 def test_the_lse_op_compiles_fullgraph():
     from flash_catalog.kernels.sage2_op import sage2_cuda_attention_lse_op
 

@@ -191,6 +191,17 @@ def test_autograd_is_refused():
         sage2_attention(q, k, v)
 
 
+@pytest.mark.parametrize("q_shape", [(1, 2, 0, 64), (0, 2, 8, 64)])
+def test_a_call_without_query_rows_returns_empty_results(q_shape):
+    _, k, v = _inputs(sq=8, skv=8, d=64)
+    q = torch.zeros(q_shape, device=DEVICE, dtype=torch.float16)
+    k, v = k[:q_shape[0]], v[:q_shape[0]]
+    out = sage2_attention(q, k, v)
+    assert out.shape == q_shape and out.dtype == torch.float16 and out.device == q.device
+    out, lse = sage2_attention(q, k, v, return_lse=True)
+    assert out.shape == q_shape and lse.shape == q_shape[:-1] and lse.dtype == torch.float32
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("pv", ["fp8", "fp16"])

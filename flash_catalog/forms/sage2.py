@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 
 from ..calls import AttentionCall
 from ..kernels.sage2_attention import choose_kernel, staging_keys
 from ..kernels.sage2_op import sage2_attention_lse_op, sage2_attention_op
+from ..kernels.staging import StagingKey, StagingPool
 from ..masks import ALL_PASS
 from .base import AttentionForm, Runner
 
@@ -28,6 +30,18 @@ def shape_rule(call: AttentionCall) -> str | None:
     return None
 
 
+def staged_runner(run: Callable[..., object], kernel: str, call: AttentionCall, pool: StagingPool | None,
+                  keys: Callable[[], tuple[StagingKey, ...]]) -> Runner:
+    """The runner of a sage2 kernel: `run(staging_handle, call)`, its detail naming the kernel and what the call
+    adds. With the attach's `pool`, the runner names it by handle (the op takes no objects) and lists the buffers it
+    draws (`keys`); without one, the kernel stages into fresh memory."""
+    detail = kernel + (", log-sum-exp" if call.return_lse else "")
+    detail += ", mask dropped" if call.mask_kind == ALL_PASS else ""
+    if pool is None:
+        return Runner(functools.partial(run, ""), detail)
+    return Runner(functools.partial(run, pool.handle), detail, staging=keys())
+
+
 class _Sage2(AttentionForm):
     pv = "fp8"
 
@@ -36,14 +50,9 @@ class _Sage2(AttentionForm):
 
     def build(self, call: AttentionCall) -> Runner:
         kernel = choose_kernel(call.query, self.pv, call.is_causal, "triton" if call.return_lse else "auto")
-        detail = (f"INT8 QK, {self.pv.upper()} PV, {kernel} kernel" + (", log-sum-exp" if call.return_lse else "")
-                  + (", mask dropped" if call.mask_kind == ALL_PASS else ""))
-        pool = self.staging
-        if pool is None:
-            return Runner(functools.partial(_run, self.pv, ""), detail)
-        # the runner names its pool by handle (the op takes no objects) and lists the buffers it draws
-        return Runner(functools.partial(_run, self.pv, pool.handle), detail,
-                      staging=staging_keys(call.query, call.key, self.pv, call.is_causal, kernel))
+        return staged_runner(functools.partial(_run, self.pv), f"INT8 QK, {self.pv.upper()} PV, {kernel} kernel",
+                             call, self.staging,
+                             lambda: staging_keys(call.query, call.key, self.pv, call.is_causal, kernel))
 
 
 class Sage2Fp8(_Sage2):

@@ -3,16 +3,13 @@ at first use; where it cannot be built or run, the form refuses with the reason 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from ..calls import AttentionCall
 from ..kernels.sage2_cuda import cuda_refusal, staging_keys
 from ..kernels.sage2_op import sage2_cuda_attention_lse_op, sage2_cuda_attention_op
-from ..masks import ALL_PASS
 from .base import AttentionForm, Runner
-from .sage2 import shape_rule
+from .sage2 import shape_rule, staged_runner
 
 
 def _run(staging: str, call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -27,9 +24,5 @@ class Sage2Fp8Cuda(AttentionForm):
         return why if why is not None else cuda_refusal(call.query, "fp8")
 
     def build(self, call: AttentionCall) -> Runner:
-        detail = ("INT8 QK, FP8 PV, CUDA kernel" + (", log-sum-exp" if call.return_lse else "")
-                  + (", mask dropped" if call.mask_kind == ALL_PASS else ""))
-        pool = self.staging
-        if pool is None:
-            return Runner(functools.partial(_run, ""), detail)
-        return Runner(functools.partial(_run, pool.handle), detail, staging=staging_keys(call.query, call.key))
+        return staged_runner(_run, "INT8 QK, FP8 PV, CUDA kernel", call, self.staging,
+                             lambda: staging_keys(call.query, call.key))

@@ -10,8 +10,8 @@ import triton.language as tl
 
 from .activation import round_to_bf16
 from .magic import MAGIC_FLOAT, MAGIC_INT  # integer -> float without I2F (which issues at exp2's 16/clk/SM)
-from .sage2_quant import (Sage2Staged, add_key_mean, interpreter_active, quantize_qkv, refuse_grad,
-                          round_to_e4m3, staging_layout, validate_inputs)
+from .sage2_quant import (Sage2Staged, add_key_mean, empty_result, interpreter_active, quantize_qkv, refuse_grad,
+                          round_to_e4m3, staging_keys_of, validate_inputs)
 from .staging import StagingKey, StagingPool
 
 __all__ = ["sage2_attention", "sage2_attention_staged", "default_config", "quantize_qkv", "Sage2Staged",
@@ -83,8 +83,7 @@ def staging_keys(q: torch.Tensor, k: torch.Tensor, pv: str = "fp8", is_causal: b
     call draws."""
     chosen = choose_kernel(q, pv, is_causal, kernel)
     bm, bn = staging_tiles_for(q, pv, chosen)
-    layout = staging_layout(q.shape, k.shape, pv=pv, block_m=bm, block_n=bn, v_fp16=_v_fp16(pv, chosen))
-    return tuple(StagingKey(name, shape, dtype, q.device, pv) for name, (shape, dtype) in layout.items())
+    return staging_keys_of(q, k, pv=pv, block_m=bm, block_n=bn, v_fp16=_v_fp16(pv, chosen))
 
 
 # P is produced already scaled by 448 (e4m3's largest finite value): exp2(s - m + log2(448)). The factor cancels in
@@ -287,9 +286,8 @@ def sage2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     if pv == "fp8" and q.is_cuda and bn < 32:
         raise ValueError(f"block_n is {bn} with pv='fp8' on {q.device}; allowed: >= 32 (the FP8 P.V product's K)")
     sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
-    if q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0:
-        out = torch.empty((q.shape[0], q.shape[1], q.shape[2], d), dtype=q.dtype, device=q.device)
-        return (out, torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)) if return_lse else out
+    if q.shape[:-1].numel() == 0:
+        return empty_result(q, return_lse)
     staged = quantize_qkv(q, k, v, sm_scale=sm_scale, pv=pv, block_m=bm, block_n=bn, validate=False,
                           staging=staging, v_fp16=_v_fp16(pv, chosen))
     if chosen == "gluon":

@@ -19,7 +19,8 @@ from typing import Callable
 import torch
 
 from .cuda_build import CudaBuild, arch_refusal, load_library
-from .sage2_quant import Sage2Staged, add_key_mean, quantize_qkv, refuse_grad, staging_layout, validate_inputs
+from .sage2_quant import (Sage2Staged, add_key_mean, empty_result, quantize_qkv, refuse_grad, staging_keys_of,
+                          validate_inputs)
 from .staging import StagingKey, StagingPool
 
 SOURCE = Path(__file__).with_name("cuda") / "sage2_sm90.cu"
@@ -45,8 +46,7 @@ def cuda_refusal(q: torch.Tensor, pv: str) -> str | None:
 
 def staging_keys(q: torch.Tensor, k: torch.Tensor) -> tuple[StagingKey, ...]:
     """The pool keys a `sage2_cuda_attention(q, k, v, staging=pool)` call draws."""
-    layout = staging_layout(q.shape, k.shape, pv="fp8", block_m=STAGING_TILES[0], block_n=STAGING_TILES[1])
-    return tuple(StagingKey(name, shape, dtype, q.device, "fp8") for name, (shape, dtype) in layout.items())
+    return staging_keys_of(q, k, pv="fp8", block_m=STAGING_TILES[0], block_n=STAGING_TILES[1])
 
 
 @dataclass(frozen=True)
@@ -126,11 +126,9 @@ def sage2_cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
     why = cuda_refusal(q, "fp8")
     if why is not None:
         raise ValueError(f"the sage2 CUDA kernel cannot serve this call: {why}")
-    d = q.shape[-1]
-    if q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0:
-        out = torch.empty((q.shape[0], q.shape[1], q.shape[2], d), dtype=q.dtype, device=q.device)
-        return (out, torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)) if return_lse else out
-    sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
+    if q.shape[:-1].numel() == 0:
+        return empty_result(q, return_lse)
+    sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     staged = quantize_qkv(q, k, v, sm_scale=sm_scale, pv="fp8", block_m=STAGING_TILES[0], block_n=STAGING_TILES[1],
                           validate=False, staging=staging, v_mma_order=True)
     if not return_lse:

@@ -12,7 +12,7 @@ import triton.language as tl
 
 from .interpreter import interpreted
 from .magic import MAGIC_FLOAT
-from .staging import StagingPool
+from .staging import StagingKey, StagingPool
 
 LOG2E = 1.0 / math.log(2.0)
 # In the kernels: INT8 range 127, FP8 e4m3 range 448, and 1e-30 as the floor of a block's or channel's max|x|
@@ -67,6 +67,21 @@ def staging_layout(q_shape: Sequence[int], k_shape: Sequence[int], *, pv: str, b
     elif v_fp16:
         layout["v16"] = ((bsz, hkv, skv_pad, d), torch.float16)
     return layout
+
+
+def staging_keys_of(q: torch.Tensor, k: torch.Tensor, *, pv: str, block_m: int, block_n: int,
+                    v_fp16: bool = False) -> tuple[StagingKey, ...]:
+    """The pool keys `quantize_qkv(q, k, v, pv=pv, block_m=block_m, block_n=block_n, v_fp16=v_fp16, staging=pool)`
+    draws (the layout's buffers on q's device, keyed by variant `pv`)."""
+    layout = staging_layout(q.shape, k.shape, pv=pv, block_m=block_m, block_n=block_n, v_fp16=v_fp16)
+    return tuple(StagingKey(name, shape, dtype, q.device, pv) for name, (shape, dtype) in layout.items())
+
+
+def empty_result(q: torch.Tensor, return_lse: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """What an attention call with no query rows (a zero batch, head or sequence size) returns: an empty output in
+    q's shape and dtype, with an empty float32 log-sum-exp when asked for; no kernel runs."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    return (out, torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)) if return_lse else out
 
 
 def _is_pow2(n: int) -> bool:
