@@ -98,7 +98,7 @@ def test_specs_check_the_shipped_catalog_and_profiles(capsys):
     out = capsys.readouterr().out
     assert re.search(r"ok    \S+sdpa_dense\.toml: sdpa_dense \(attention_core, native\)", out)
     assert re.search(r"ok    \S+profiles/fp8_balance\.toml: profile fp8_balance \(fp8_rowwise\)", out)
-    assert out.rstrip().endswith("12 spec file(s) and 7 profile file(s), 0 bad")
+    assert out.rstrip().endswith("13 spec file(s) and 7 profile file(s), 0 bad")
 
 
 def test_specs_check_reports_every_problem_with_exit_1_and_json(capsys, tmp_path):

@@ -89,7 +89,7 @@ def test_int8_profile_binds_ffn_sites_and_detaches_exactly():
 
 def test_int8_balance_sage_names_its_forms_and_projections():
     profile = get_profile("int8_balance_sage")
-    assert list(profile.attention_forms[:3]) == ["sage2_fp8_cuda", "sage2_fp8", "sage2_fp16"]
+    assert list(profile.attention_forms[:4]) == ["sage2_fp8_cuda", "sage2_fp8", "sage2_fp16_cuda", "sage2_fp16"]
     assert list(profile.ffn_forms) == ["int8_rowwise"] and "*attn*.to_q" in profile.projections
     host = build("ltx2", dtype=torch.bfloat16)
     # dense attention and one projection pattern: the sage2 and INT8 kernels run through the CPU interpreter here

@@ -14,6 +14,7 @@ import torch
 if not torch.cuda.is_available():  # must precede any triton import: @triton.jit picks the interpreter at decoration
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from flash_catalog import attach, detach  # noqa: E402
 from flash_catalog.kernels import sage2_cuda  # noqa: E402
 from flash_catalog.kernels.cuda_build import BuildStatus, find_nvcc, forget_builds  # noqa: E402
 from flash_catalog.kernels.sage2_quant import quantize_qkv  # noqa: E402
@@ -53,8 +54,22 @@ def test_refusals_name_the_reason():
     assert sage2_cuda.cuda_refusal(q, "fp8") == "the CUDA kernel runs on CUDA devices; q is on cpu"
     if torch.cuda.is_available():
         qc = q.cuda()
-        assert sage2_cuda.cuda_refusal(qc, "fp16") == "the CUDA kernel serves pv='fp8'; got pv='fp16'"
+        assert sage2_cuda.cuda_refusal(qc, "fp4") == "the CUDA kernel serves pv='fp8' or 'fp16'; got pv='fp4'"
         assert "head_dim 64 or 128; got 96" in sage2_cuda.cuda_refusal(qc[..., :96], "fp8")
+
+
+def test_fp16_staging_must_carry_vs_padded_copy():
+    """The fp16 P.V reads V through TMA as one padded fp16 tensor: staging that passes the caller's V through (the
+    Triton kernel's) is refused by name, before anything is built or launched."""
+    q = torch.randn(1, 1, 40, 64, device=DEVICE, dtype=torch.bfloat16)
+    staged = quantize_qkv(q, q, q, pv="fp16", block_m=64, block_n=128)
+    with pytest.raises(ValueError, match=r"fp16 P.V reads V's padded fp16 copy: stage with "
+                                         r"quantize_qkv\(..., pv='fp16', v_fp16=True\)"):
+        sage2_cuda.sage2_cuda_staged(staged, out_dtype=torch.bfloat16)
+    staged = quantize_qkv(q, q, q, pv="fp16", block_m=64, block_n=64, v_fp16=True)
+    with pytest.raises(ValueError, match=r"needs pv='fp8' or 'fp16' staging with tiles \(64, 128\); got pv='fp16', "
+                                         r"tiles \(64, 64\)"):
+        sage2_cuda.sage2_cuda_staged(staged, out_dtype=torch.bfloat16)
 
 
 @pytest.mark.skipif(find_nvcc() is None or shutil.which("g++") is None and shutil.which("c++") is None,
@@ -72,9 +87,14 @@ def test_the_source_compiles_for_sm90a_with_the_nvcc_found_here(tmp_path, monkey
         launch = sage2_cuda.launcher(built.library)
         shapes = (1, 2, 2, 64, 64, 128, 128)  # batch, hq, hkv, sq, sq_pad, skv, skv_pad
         with pytest.raises(RuntimeError, match=r"refused the launch: head_dim must be 64 or 128$"):
-            launch(0, 0, 0, 0, 0, 0, 0, 0, 1, *shapes, 96, 0, 0, 0, 0, 0)
+            launch(0, 0, 0, 0, 0, 0, 0, 0, 1, *shapes, 96, 0, 0, 0, 0, 0, 0)
         with pytest.raises(RuntimeError, match=r"query heads must be a multiple of key/value heads$"):
-            launch(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 3, 2, 64, 64, 128, 128, 128, 0, 0, 0, 0, 0)
+            launch(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 3, 2, 64, 64, 128, 128, 128, 0, 0, 0, 0, 0, 0)
+        # V's scales go with FP8 P.V (pv_fp16 = 0) and only with it
+        with pytest.raises(RuntimeError, match=r"v_scale is for FP8 P.V only: pass it exactly then$"):
+            launch(0, 0, 0, 0, 0, 0, 0, 0, 1, *shapes, 128, 0, 0, 0, 0, 0, 0)
+        with pytest.raises(RuntimeError, match=r"v_scale is for FP8 P.V only: pass it exactly then$"):
+            launch(0, 0, 0, 0, 0, 8, 0, 0, 1, *shapes, 128, 0, 0, 0, 0, 1, 0)
     finally:
         forget_builds()
 
@@ -101,10 +121,11 @@ def _rel_l2(a, b):
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("pv", ["fp8", "fp16"])
 @pytest.mark.parametrize("b,hq,hkv,sq,skv,d,causal,v_mean", [
     (1, 4, 4, 1000, 777, 128, False, 0.0), (2, 6, 2, 333, 1500, 64, False, 0.0), (1, 2, 1, 129, 1, 128, False, 0.0),
     (1, 4, 2, 700, 700, 128, True, 0.0), (1, 2, 2, 513, 900, 64, True, 0.0), (1, 2, 2, 8192, 8192, 128, False, 3.0)])
-def test_cuda_kernel_matches_fp64_and_the_triton_kernel(b, hq, hkv, sq, skv, d, causal, v_mean):
+def test_cuda_kernel_matches_fp64_and_the_triton_kernel(b, hq, hkv, sq, skv, d, causal, v_mean, pv):
     from flash_catalog.kernels.sage2_attention import sage2_attention
     from flash_catalog.kernels.sage2_reference import exact_attention
 
@@ -113,25 +134,27 @@ def test_cuda_kernel_matches_fp64_and_the_triton_kernel(b, hq, hkv, sq, skv, d, 
     k = torch.randn(b, hkv, skv, d, device="cuda", dtype=torch.bfloat16, generator=g) + 0.5
     v = (torch.randn(b, hkv, skv, d, device="cuda", generator=g) + v_mean).to(torch.bfloat16)
     clones = [t.clone() for t in (q, k, v)]
-    out = sage2_cuda.sage2_cuda_attention(q, k, v, is_causal=causal)
+    out = sage2_cuda.sage2_cuda_attention(q, k, v, pv=pv, is_causal=causal)
     assert out.shape == (b, hq, sq, d) and out.dtype == q.dtype and out.is_contiguous()
     assert all(torch.equal(t, c) for t, c in zip((q, k, v), clones))
     assert bool(out.isfinite().all())
     exact = exact_attention(q, k, v, is_causal=causal)
     cos = float(torch.nn.functional.cosine_similarity(out.double().flatten(), exact.double().flatten(), dim=0))
-    assert cos >= (0.99999 if v_mean else 0.999), cos
-    assert _rel_l2(out, exact) <= (0.005 if v_mean else 0.05)  # two-level accumulation: a large V mean costs nothing
+    assert cos >= (0.99999 if v_mean else 0.999 if pv == "fp8" else 0.9999), cos
+    # two-level accumulation (FP8) or fp16 P.V: a large V mean costs nothing
+    assert _rel_l2(out, exact) <= (0.005 if v_mean else 0.05 if pv == "fp8" else 0.015)
     # the same algorithm as the Triton kernel (whose Q tiles are 128 rows, so its scales differ): as close to exact
-    triton_err = _rel_l2(sage2_attention(q, k, v, pv="fp8", is_causal=causal, kernel="triton"), exact)
+    triton_err = _rel_l2(sage2_attention(q, k, v, pv=pv, is_causal=causal, kernel="triton"), exact)
     assert _rel_l2(out, exact) <= 1.1 * triton_err + 1e-3
 
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("pv", ["fp8", "fp16"])
 @pytest.mark.parametrize("b,hq,hkv,sq,skv,d,causal", [
     (1, 4, 4, 1000, 777, 128, False), (2, 6, 2, 333, 1500, 64, False), (1, 4, 2, 700, 700, 128, True),
     (1, 2, 2, 513, 900, 64, True), (1, 2, 1, 129, 1, 128, False)])
-def test_log_sum_exp_for_ring_steps(b, hq, hkv, sq, skv, d, causal):
+def test_log_sum_exp_for_ring_steps(b, hq, hkv, sq, skv, d, causal, pv):
     """return_lse: the same output, and each row's natural log-sum-exp of the scaled scores, the K mean's share added
     back (K carries a bias here, so a forgotten correction is far off)."""
     g = torch.Generator(device="cuda").manual_seed(sq + skv + d)
@@ -139,8 +162,8 @@ def test_log_sum_exp_for_ring_steps(b, hq, hkv, sq, skv, d, causal):
     k = torch.randn(b, hkv, skv, d, device="cuda", dtype=torch.bfloat16, generator=g) + 1.0
     v = torch.randn(b, hkv, skv, d, device="cuda", dtype=torch.bfloat16, generator=g)
     scale = 0.125
-    out, lse = sage2_cuda.sage2_cuda_attention(q, k, v, scale=scale, is_causal=causal, return_lse=True)
-    assert torch.equal(out, sage2_cuda.sage2_cuda_attention(q, k, v, scale=scale, is_causal=causal))
+    out, lse = sage2_cuda.sage2_cuda_attention(q, k, v, scale=scale, pv=pv, is_causal=causal, return_lse=True)
+    assert torch.equal(out, sage2_cuda.sage2_cuda_attention(q, k, v, scale=scale, pv=pv, is_causal=causal))
     future = torch.ones(sq, skv, dtype=torch.bool, device="cuda").triu(1) if causal else None
 
     def log_sum_exp(q_rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -149,7 +172,8 @@ def test_log_sum_exp_for_ring_steps(b, hq, hkv, sq, skv, d, causal):
 
     assert lse.shape == (b, hq, sq) and lse.dtype == torch.float32 and lse.is_contiguous()
     # against the scores of the staged INT8 operands (log2 domain, K less its mean): only the kernel's arithmetic
-    staged = quantize_qkv(q, k, v, sm_scale=scale, pv="fp8", block_m=64, block_n=128, v_mma_order=True)
+    staged = quantize_qkv(q, k, v, sm_scale=scale, pv=pv, block_m=64, block_n=128,
+                          **({"v_mma_order": True} if pv == "fp8" else {"v_fp16": True}))
     q_staged = staged.q8.double() * staged.q_scale.double().repeat_interleave(64, dim=-1)[..., None]
     k_staged = staged.k8.double() * staged.k_scale.double().repeat_interleave(128, dim=-1)[..., None]
     of_staged = log_sum_exp(q_staged[:, :, :sq] * math.log(2), k_staged[:, :, :skv])
@@ -176,38 +200,40 @@ def test_a_call_without_query_rows_returns_empty_results():
 
 @pytest.mark.gpu
 @needs_hopper
-def test_the_lse_op_compiles_fullgraph():
+@pytest.mark.parametrize("pv", ["fp8", "fp16"])
+def test_the_lse_op_compiles_fullgraph(pv):
     from flash_catalog.kernels.sage2_op import sage2_cuda_attention_lse_op
 
     q = torch.randn(1, 4, 1000, 128, device="cuda", dtype=torch.bfloat16)
-    out, lse = sage2_cuda_attention_lse_op(q, q, q, None, False)
-    compiled = torch.compile(lambda x: sage2_cuda_attention_lse_op(x, x, x, None, False), fullgraph=True)
+    out, lse = sage2_cuda_attention_lse_op(q, q, q, None, pv, False)
+    compiled = torch.compile(lambda x: sage2_cuda_attention_lse_op(x, x, x, None, pv, False), fullgraph=True)
     c_out, c_lse = compiled(q)
     assert torch.equal(c_out, out) and torch.equal(c_lse, lse)
 
 
 @pytest.mark.gpu
 @needs_hopper
-def test_the_op_compiles_fullgraph_and_replays_in_a_cuda_graph():
+@pytest.mark.parametrize("pv", ["fp8", "fp16"])
+def test_the_op_compiles_fullgraph_and_replays_in_a_cuda_graph(pv):
     from flash_catalog.kernels.sage2_op import sage2_cuda_attention_op
 
     q = torch.randn(1, 4, 1000, 128, device="cuda", dtype=torch.bfloat16)
-    eager = sage2_cuda_attention_op(q, q, q, None, False)
-    compiled = torch.compile(lambda x: sage2_cuda_attention_op(x, x, x, None, False), fullgraph=True)
+    eager = sage2_cuda_attention_op(q, q, q, None, pv, False)
+    compiled = torch.compile(lambda x: sage2_cuda_attention_op(x, x, x, None, pv, False), fullgraph=True)
     assert torch.equal(compiled(q), eager)
     static = q.clone()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        sage2_cuda_attention_op(static, static, static, None, False)  # warm-up: build, first launch
+        sage2_cuda_attention_op(static, static, static, None, pv, False)  # warm-up: build, first launch
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = sage2_cuda_attention_op(static, static, static, None, False)
+        captured = sage2_cuda_attention_op(static, static, static, None, pv, False)
     fresh = torch.randn_like(q)
     static.copy_(fresh)
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(captured, sage2_cuda_attention_op(fresh, fresh, fresh, None, False))
+    assert torch.equal(captured, sage2_cuda_attention_op(fresh, fresh, fresh, None, pv, False))
 
 
 @pytest.mark.gpu
@@ -218,3 +244,32 @@ def test_tensors_on_another_device_than_the_current_one():
     with torch.cuda.device(0):  # the current device stays 0; the tensors live on cuda:1
         on1 = sage2_cuda.sage2_cuda_attention(q.to("cuda:1"), q.to("cuda:1"), q.to("cuda:1"))
     assert on1.device == torch.device("cuda:1") and torch.equal(on1.cpu(), on0.cpu())
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("form", ["sage2_fp8_cuda", "sage2_fp16_cuda"])
+def test_the_cuda_forms_bind_when_named_and_detach_exactly(form):
+    from test_grouped_hosts import Block
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Block(dim=1024, heads=8)).eval().to("cuda", torch.bfloat16)
+    state = {name: t.clone() for name, t in model.state_dict().items()}
+    x = torch.randn(1, 2048, 1024, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        reference = model(x)
+    plan = attach(model, (x,), attention_forms=[form], min_speedup=0)
+    try:
+        site = plan.site("0#0")
+        assert site.outcome == "bound" and site.form == form, str(plan)
+        pv = "FP16" if form == "sage2_fp16_cuda" else "FP8"
+        assert f"INT8 QK, {pv} PV, CUDA kernel" in site.shapes[0].reason, site.shapes[0].reason
+        with torch.no_grad():
+            attached = model(x)
+        cos = torch.nn.functional.cosine_similarity(attached.float().flatten(), reference.float().flatten(), dim=0)
+        assert cos > (0.9999 if pv == "FP16" else 0.999), cos
+    finally:
+        detach(plan)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference)
+    assert all(torch.equal(t, state[name]) for name, t in model.state_dict().items())

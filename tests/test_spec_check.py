@@ -35,7 +35,7 @@ def problems(report, path: Path) -> list[str]:
 def test_the_shipped_catalog_and_profiles_check_clean():
     report = check()
     assert report.ok, "\n".join(report.lines())
-    assert report.count(FileKind.SPEC) == 12 and report.count(FileKind.PROFILE) == 7
+    assert report.count(FileKind.SPEC) == 13 and report.count(FileKind.PROFILE) == 7
 
 
 @pytest.mark.parametrize("implementation,message", [
@@ -95,10 +95,11 @@ def test_profiles_name_forms_of_the_right_family_from_the_catalog(tmp_path):
     assert problems(report, good) == []
     assert problems(report, wrong) == [
         "field 'attention_forms' names 'fp8_rowwise' (a form of vision_ffn, not attention_core); allowed: "
-        "flex_blocksparse, grouped_batch, grouped_tiles, mine, sdpa_dense, sage2_fp16, sage2_fp8, sage2_fp8_cuda, "
-        "nvfp4_attention",
+        "flex_blocksparse, grouped_batch, grouped_tiles, mine, sdpa_dense, sage2_fp16, sage2_fp16_cuda, sage2_fp8, "
+        "sage2_fp8_cuda, nvfp4_attention",
         "field 'attention_forms' names 'nope' (no such form in the catalog); allowed: flex_blocksparse, "
-        "grouped_batch, grouped_tiles, mine, sdpa_dense, sage2_fp16, sage2_fp8, sage2_fp8_cuda, nvfp4_attention",
+        "grouped_batch, grouped_tiles, mine, sdpa_dense, sage2_fp16, sage2_fp16_cuda, sage2_fp8, sage2_fp8_cuda, "
+        "nvfp4_attention",
         "field 'ffn_forms' names 'mine' (a form of attention_core, not vision_ffn); allowed: int8_rowwise, "
         "fp8_rowwise, fp8_rowwise_up, nvfp4_w4a4",
     ]

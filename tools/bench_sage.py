@@ -4,7 +4,7 @@ Random bf16 inputs (B, H, S, D): B1 H32 S in {4096, 16384, 24576, 32768} D128 an
 shape: host `F.scaled_dot_product_attention` (default backend), the Triton kernels `sage2_attention(pv="fp8")`
 and `sage2_attention(pv="fp16")` (tiles given, so the Triton kernel runs) and, with --gluon, the Hopper Gluon
 kernel for both P.V modes (what kernel "auto" runs on sm_90 for D128, not causal), with --cuda the CUDA C++ kernel
-(`sage2_cuda`, fp8 P.V; built with nvcc at first use), each timed with
+(`sage2_cuda`, both P.V modes; built with nvcc at first use), each timed with
 `triton.testing.do_bench` (median), plus the quantisation kernels alone (`quantize_qkv`) to give their share.
 Accuracy: cosine and relative L2 error against an fp32 SDPA reference. TFLOP/s counts 4*B*H*Sq*Skv*D (halved
 with --causal).
@@ -102,27 +102,33 @@ def gluon_rows(q, k, v, host_fn, host_ms, row, warmup: int, rep: int, sweep: boo
 
 
 def cuda_rows(q, k, v, causal, host_fn, host_ms, row, warmup: int, rep: int) -> list[dict]:
-    """The CUDA C++ kernel (fp8 P.V): full path (quantisation included) and kernel alone; rel_l2_vs_triton compares
-    with the Triton kernel (same algorithm, its own staging)."""
+    """The CUDA C++ kernel, fp8 and fp16 P.V: full path (quantisation included) and kernel alone; rel_l2_vs_triton
+    compares with the Triton kernel (same algorithm, its own staging)."""
     from flash_catalog.kernels import sage2_cuda
-    why = sage2_cuda.cuda_refusal(q, "fp8")
-    if why is not None:
-        return [row("cuda fp8", float("nan"), None, error=why)]
-    bm, bn = sage2_cuda.STAGING_TILES
-    triton_out = sage2_attention(q, k, v, pv="fp8", is_causal=causal, kernel="triton")
-    fn = lambda: sage2_cuda.sage2_cuda_attention(q, k, v, is_causal=causal)  # noqa: E731
-    out = fn()
-    ms = bench(fn, warmup, rep)
-    staged = quantize_qkv(q, k, v, pv="fp8", block_m=bm, block_n=bn, v_mma_order=True)
-    kernel_ms = bench(lambda: sage2_cuda.sage2_cuda_staged(staged, out_dtype=q.dtype, is_causal=causal), warmup, rep)
-    cfg = {"block_m": 192, "block_n": bn, "num_warps": 16, "num_stages": 4 if q.shape[-1] == 128 else 6}
-    r = row("cuda fp8", ms, out, config=cfg, kernel_ms=kernel_ms, quant_ms=ms - kernel_ms,
-            quant_share=(ms - kernel_ms) / ms, ratio_vs_host=host_ms / ms,
-            rel_l2_vs_triton=accuracy(out, triton_out.float())["rel_l2"],
-            gate_ratio=paired_speedup(host_fn, fn, q.device).speedup)
-    del out, staged
-    torch.cuda.empty_cache()
-    return [r]
+    rows = []
+    for pv in ("fp8", "fp16"):
+        impl = f"cuda {pv}"
+        why = sage2_cuda.cuda_refusal(q, pv)
+        if why is not None:
+            rows.append(row(impl, float("nan"), None, error=why))
+            continue
+        bm, bn = sage2_cuda.STAGING_TILES
+        triton_out = sage2_attention(q, k, v, pv=pv, is_causal=causal, kernel="triton")
+        fn = lambda: sage2_cuda.sage2_cuda_attention(q, k, v, pv=pv, is_causal=causal)  # noqa: E731
+        out = fn()
+        ms = bench(fn, warmup, rep)
+        staged = quantize_qkv(q, k, v, pv=pv, block_m=bm, block_n=bn,
+                              **({"v_mma_order": True} if pv == "fp8" else {"v_fp16": True}))
+        kernel_ms = bench(lambda: sage2_cuda.sage2_cuda_staged(staged, out_dtype=q.dtype, is_causal=causal),
+                          warmup, rep)
+        cfg = {"block_m": 192, "block_n": bn, "num_warps": 16, "num_stages": 4 if q.shape[-1] == 128 else 6}
+        rows.append(row(impl, ms, out, config=cfg, kernel_ms=kernel_ms, quant_ms=ms - kernel_ms,
+                        quant_share=(ms - kernel_ms) / ms, ratio_vs_host=host_ms / ms,
+                        rel_l2_vs_triton=accuracy(out, triton_out.float())["rel_l2"],
+                        gate_ratio=paired_speedup(host_fn, fn, q.device).speedup))
+        del out, staged, triton_out
+        torch.cuda.empty_cache()
+    return rows
 
 
 def run_shape(shape, *, causal: bool, sweep: bool, warmup: int, rep: int, gluon: bool = False,
@@ -184,7 +190,7 @@ def run_shape(shape, *, causal: bool, sweep: bool, warmup: int, rep: int, gluon:
         if cuda:
             rows += cuda_rows(q, k, v, causal, host_fn, host_ms, row, warmup, rep)
     if sweep:  # mark the fastest config per implementation
-        for impl in ("sage2 fp8", "sage2 fp16", "gluon fp8", "gluon fp16", "cuda fp8"):
+        for impl in ("sage2 fp8", "sage2 fp16", "gluon fp8", "gluon fp16", "cuda fp8", "cuda fp16"):
             ok = [r for r in rows if r["impl"] == impl and "error" not in r]
             if ok:
                 min(ok, key=lambda r: r["ms"])["best"] = True
@@ -226,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gluon", action="store_true",
                     help="also the Hopper Gluon kernel (fp8 and fp16 P.V, non-causal, sm_90)")
     ap.add_argument("--cuda", action="store_true",
-                    help="also the CUDA C++ kernel (fp8 P.V, sm_90; built with nvcc at first use)")
+                    help="also the CUDA C++ kernel (fp8 and fp16 P.V, sm_90; built with nvcc at first use)")
     ap.add_argument("--no-triton", action="store_true", help="skip the Triton-language kernels")
     ap.add_argument("--gate", action="store_true",
                     help="also time sage2 fp8 (kernel auto) against the host with the catalog's paired gate timer")

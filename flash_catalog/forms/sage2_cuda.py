@@ -1,7 +1,10 @@
-"""`sage2_fp8_cuda`: the sage2 algorithm (INT8 Q.K^T, FP8 P.V) through the CUDA C++ Hopper kernel, built with nvcc
-at first use; where it cannot be built or run, the form refuses with the reason and the other forms serve."""
+"""`sage2_fp8_cuda` / `sage2_fp16_cuda`: the sage2 algorithm (INT8 Q.K^T, FP8 or fp16 P.V) through the CUDA C++
+Hopper kernel, built with nvcc at first use; where it cannot be built or run, the form refuses with the reason and
+the other forms serve."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -12,17 +15,27 @@ from .base import AttentionForm, Runner
 from .sage2 import shape_rule, staged_runner
 
 
-def _run(staging: str, call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def _run(pv: str, staging: str, call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     # an all-pass mask is dropped: the envelope admits only none and all_pass
     op = sage2_cuda_attention_lse_op if call.return_lse else sage2_cuda_attention_op
-    return op(call.query, call.key, call.value, call.scale, call.is_causal, staging)
+    return op(call.query, call.key, call.value, call.scale, pv, call.is_causal, staging)
 
 
-class Sage2Fp8Cuda(AttentionForm):
+class _Sage2Cuda(AttentionForm):
+    pv = "fp8"
+
     def rule(self, call: AttentionCall) -> str | None:
         why = shape_rule(call)
-        return why if why is not None else cuda_refusal(call.query, "fp8")
+        return why if why is not None else cuda_refusal(call.query, self.pv)
 
     def build(self, call: AttentionCall) -> Runner:
-        return staged_runner(_run, "INT8 QK, FP8 PV, CUDA kernel", call, self.staging,
-                             lambda: staging_keys(call.query, call.key))
+        return staged_runner(functools.partial(_run, self.pv), f"INT8 QK, {self.pv.upper()} PV, CUDA kernel", call,
+                             self.staging, lambda: staging_keys(call.query, call.key, self.pv))
+
+
+class Sage2Fp8Cuda(_Sage2Cuda):
+    pv = "fp8"
+
+
+class Sage2Fp16Cuda(_Sage2Cuda):
+    pv = "fp16"

@@ -1,10 +1,11 @@
 """sage2 attention through the CUDA C++ Hopper kernel (`cuda/sage2_sm90.cu`), built with nvcc at first use.
 
-The same algorithm as `sage2_attention(pv="fp8")` (K smoothing, per-tile INT8 Q/K, exp2 online softmax, e4m3 P
-and per-channel e4m3 V), on `quantize_qkv` staging with 64-row Q tiles, 128-key K tiles and V^T in the kernel's
-MMA order. What the kernel does that the Triton and Gluon ones do not: P.V accumulates in a fresh fp32 block per
-128 keys that is then added to the output accumulator (the FP8 MMA's own accumulator is reduced-precision), and P
-is packed to e4m3 straight into the MMA's A registers. sm_90 only; D 64 or 128; GQA, causal and any lengths.
+The same algorithm as `sage2_attention(pv=...)` (K smoothing, per-tile INT8 Q/K, exp2 online softmax; pv="fp8":
+e4m3 P and per-channel e4m3 V, pv="fp16": fp16 P and V), on `quantize_qkv` staging with 64-row Q tiles and 128-key K
+tiles; V^T in the kernel's MMA order for pv="fp8", V's padded fp16 copy for pv="fp16". What the kernel does that
+the Triton and Gluon ones do not: FP8 P.V accumulates in a fresh fp32 block per 128 keys that is then added to the
+output accumulator (the FP8 MMA's own accumulator is reduced-precision), and P is packed straight into the MMA's A
+registers. sm_90 only; D 64 or 128; GQA, causal and any lengths.
 """
 
 from __future__ import annotations
@@ -32,21 +33,27 @@ def build() -> CudaBuild:
     return load_library(SOURCE)
 
 
+def _staging_options(pv: str) -> dict[str, bool]:
+    """How `quantize_qkv` stages V for the kernel: V^T in its FP8 MMA order, or V's padded fp16 copy."""
+    return {"v_mma_order": True} if pv == "fp8" else {"v_fp16": True}
+
+
 def cuda_refusal(q: torch.Tensor, pv: str) -> str | None:
     """Why the CUDA kernel cannot serve this call (None: it can). Builds the kernel if it was never built."""
     if q.device.type != "cuda":
         return f"the CUDA kernel runs on CUDA devices; q is on {q.device}"
-    if pv != "fp8":
-        return f"the CUDA kernel serves pv='fp8'; got pv={pv!r}"
+    if pv not in ("fp8", "fp16"):
+        return f"the CUDA kernel serves pv='fp8' or 'fp16'; got pv={pv!r}"
     if q.dim() != 4 or q.shape[-1] not in (64, 128):
         return f"the CUDA kernel serves head_dim 64 or 128; got {q.shape[-1] if q.dim() else None}"
     why = arch_refusal(torch.cuda.get_device_capability(q.device))
     return why if why is not None else build().refusal()
 
 
-def staging_keys(q: torch.Tensor, k: torch.Tensor) -> tuple[StagingKey, ...]:
-    """The pool keys a `sage2_cuda_attention(q, k, v, staging=pool)` call draws."""
-    return staging_keys_of(q, k, pv="fp8", block_m=STAGING_TILES[0], block_n=STAGING_TILES[1])
+def staging_keys(q: torch.Tensor, k: torch.Tensor, pv: str) -> tuple[StagingKey, ...]:
+    """The pool keys a `sage2_cuda_attention(q, k, v, pv=pv, staging=pool)` call draws."""
+    return staging_keys_of(q, k, pv=pv, block_m=STAGING_TILES[0], block_n=STAGING_TILES[1],
+                           v_fp16=_staging_options(pv).get("v_fp16", False))
 
 
 @dataclass(frozen=True)
@@ -57,7 +64,7 @@ class Launcher:
     error: Callable[[], bytes]
 
     def __call__(self, *args: int) -> None:
-        """Launch on the arguments of `fc_sage2_sm90_fp8` (pointers as ints); raises RuntimeError with the kernel's
+        """Launch on the arguments of `fc_sage2_sm90` (pointers as ints); raises RuntimeError with the kernel's
         reason when it refuses."""
         if self.launch(*args) != 0:
             raise RuntimeError(f"the sage2 CUDA kernel refused the launch: "
@@ -67,9 +74,9 @@ class Launcher:
 @functools.cache
 def launcher(lib: ctypes.CDLL) -> Launcher:
     """The typed launcher of a loaded kernel library (`build().library`; one per library)."""
-    launch, error = lib.fc_sage2_sm90_fp8, lib.fc_sage2_sm90_error
+    launch, error = lib.fc_sage2_sm90, lib.fc_sage2_sm90_error
     p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
-    launch.argtypes = [p, p, p, p, p, p, p, p, i, i, i, i, i, i, i, i, i, ll, ll, ll, i, p]
+    launch.argtypes = [p, p, p, p, p, p, p, p, i, i, i, i, i, i, i, i, i, ll, ll, ll, i, i, p]
     launch.restype = i
     error.argtypes = []
     error.restype = ctypes.c_char_p
@@ -78,13 +85,18 @@ def launcher(lib: ctypes.CDLL) -> Launcher:
 
 def sage2_cuda_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, is_causal: bool = False,
                       lse: torch.Tensor | None = None) -> torch.Tensor:
-    """Run the CUDA kernel on `quantize_qkv(..., pv="fp8", block_m=64, block_n=128, v_mma_order=True)` staging;
-    returns a new (B, Hq, Sq, D) tensor in `out_dtype` (fp16 or bf16). `lse` ((B, Hq, Sq) float32, contiguous, on
-    the staging's device): the kernel also writes each row's natural log-sum-exp of the scores it saw, those of K
-    less its token mean (`sage2_cuda_attention(return_lse=True)` adds the rest back)."""
-    if staged.pv != "fp8" or (staged.block_m, staged.block_n) != STAGING_TILES:
-        raise ValueError(f"the CUDA kernel needs pv='fp8' staging with tiles {STAGING_TILES}; got pv="
+    """Run the CUDA kernel on `quantize_qkv(..., block_m=64, block_n=128)` staging, made with `v_mma_order=True` for
+    pv="fp8" or `v_fp16=True` for pv="fp16"; returns a new (B, Hq, Sq, D) tensor in `out_dtype` (fp16 or bf16).
+    `lse` ((B, Hq, Sq) float32, contiguous, on the staging's device): the kernel also writes each row's natural
+    log-sum-exp of the scores it saw, those of K less its token mean (`sage2_cuda_attention(return_lse=True)` adds
+    the rest back)."""
+    if staged.pv not in ("fp8", "fp16") or (staged.block_m, staged.block_n) != STAGING_TILES:
+        raise ValueError(f"the CUDA kernel needs pv='fp8' or 'fp16' staging with tiles {STAGING_TILES}; got pv="
                          f"{staged.pv!r}, tiles ({staged.block_m}, {staged.block_n})")
+    if staged.pv == "fp16" and (staged.v.dtype != torch.float16 or staged.v.shape[2] != staged.k8.shape[2]
+                                or not staged.v.is_contiguous()):
+        raise ValueError("the CUDA kernel's fp16 P.V reads V's padded fp16 copy: stage with "
+                         "quantize_qkv(..., pv='fp16', v_fp16=True)")
     if out_dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"out_dtype is {out_dtype}; allowed: torch.float16, torch.bfloat16")
     built = build()
@@ -99,38 +111,39 @@ def sage2_cuda_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, is_causal:
                          f"{tuple(out.shape[:-1])} torch.float32 tensor on {out.device}")
     if out.numel() == 0:
         return out
-    assert staged.v_scale is not None  # pv="fp8" staging always carries V's scales
+    fp16 = staged.pv == "fp16"
+    v_scale = staged.v_scale.data_ptr() if staged.v_scale is not None else None  # pv="fp8" always carries it
     # the library's own (static) CUDA runtime launches in the thread's current context: make it the tensors' device,
     # which torch's kernels do not (they guard the device themselves), e.g. for a rank's model on cuda:1
     with torch.cuda.device(out.device):
         launcher(built.library)(
             staged.q8.data_ptr(), staged.k8.data_ptr(), staged.v.data_ptr(), staged.q_scale.data_ptr(),
-            staged.k_scale.data_ptr(), staged.v_scale.data_ptr(), out.data_ptr(),
+            staged.k_scale.data_ptr(), v_scale, out.data_ptr(),
             lse.data_ptr() if lse is not None else None, int(out_dtype == torch.bfloat16),
             bsz, hq, hkv, staged.seq_q, sq_pad, staged.seq_kv, skv_pad, d,
-            out.stride(0), out.stride(1), out.stride(2), int(is_causal),
+            out.stride(0), out.stride(1), out.stride(2), int(is_causal), int(fp16),
             torch.cuda.current_stream(out.device).cuda_stream)
     return out
 
 
 def sage2_cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
-                         is_causal: bool = False, staging: StagingPool | None = None,
+                         pv: str = "fp8", is_causal: bool = False, staging: StagingPool | None = None,
                          return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """softmax(q k^T * scale) v for (B, H, S, D) fp16/bf16 CUDA tensors on sm_90, through the CUDA kernel; the
-    arguments and guarantees of `sage2_attention(..., pv="fp8")` (forward only, inputs never written, a new
+    arguments and guarantees of `sage2_attention` (pv="fp8" or "fp16"; forward only, inputs never written, a new
     contiguous output). `return_lse`: also each row's natural log-sum-exp of the scaled scores, (B, H, Sq) float32,
     as ring attention merges partial results with. Raises ValueError naming the reason where `cuda_refusal` finds
     one."""
-    validate_inputs(q, k, v, pv="fp8", scale=scale, is_causal=is_causal)
+    validate_inputs(q, k, v, pv=pv, scale=scale, is_causal=is_causal)
     refuse_grad("sage2_cuda_attention", q, k, v)
-    why = cuda_refusal(q, "fp8")
+    why = cuda_refusal(q, pv)
     if why is not None:
         raise ValueError(f"the sage2 CUDA kernel cannot serve this call: {why}")
     if q.shape[:-1].numel() == 0:
         return empty_result(q, return_lse)
     sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    staged = quantize_qkv(q, k, v, sm_scale=sm_scale, pv="fp8", block_m=STAGING_TILES[0], block_n=STAGING_TILES[1],
-                          validate=False, staging=staging, v_mma_order=True)
+    staged = quantize_qkv(q, k, v, sm_scale=sm_scale, pv=pv, block_m=STAGING_TILES[0], block_n=STAGING_TILES[1],
+                          validate=False, staging=staging, **_staging_options(pv))
     if not return_lse:
         return sage2_cuda_staged(staged, out_dtype=q.dtype, is_causal=is_causal)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)

@@ -6,7 +6,7 @@ otherwise. `staging` names a `StagingPool` by its handle ("" for none): the quan
 pool's buffers, which persist between calls (a captured graph replays into the same addresses). The output is
 always a fresh tensor, so the op stays functional: no argument is mutated and nothing returned aliases the pool.
 `flash_catalog::sage2_attention_lse` also returns the log-sum-exp (the Triton kernel: ring-attention steps).
-`flash_catalog::sage2_cuda_attention` runs the CUDA C++ Hopper kernel (pv="fp8"), a form of its own so that the
+`flash_catalog::sage2_cuda_attention` runs the CUDA C++ Hopper kernel (either P.V mode), a form of its own so that the
 gate, not this op, chooses between it and the others per shape; `flash_catalog::sage2_cuda_attention_lse` also
 returns its log-sum-exp."""
 
@@ -44,29 +44,29 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, pv
 
 
 @torch.library.custom_op("flash_catalog::sage2_cuda_attention", mutates_args=())
-def sage2_cuda_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
+def sage2_cuda_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, pv: str,
                             is_causal: bool, staging: str = "") -> torch.Tensor:
-    """The CUDA C++ kernel (`sage2_cuda`, pv="fp8"); opaque to the compiler, like the Triton and Gluon kernels."""
+    """The CUDA C++ kernel (`sage2_cuda`); opaque to the compiler, like the Triton and Gluon kernels."""
     from .sage2_cuda import sage2_cuda_attention
-    return sage2_cuda_attention(q, k, v, scale=scale, is_causal=is_causal, staging=pool_for(staging))
+    return sage2_cuda_attention(q, k, v, scale=scale, pv=pv, is_causal=is_causal, staging=pool_for(staging))
 
 
 @sage2_cuda_attention_op.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, is_causal: bool,
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, pv: str, is_causal: bool,
       staging: str = "") -> torch.Tensor:
     return q.new_empty(q.shape[:-1] + (v.shape[-1],))
 
 
 @torch.library.custom_op("flash_catalog::sage2_cuda_attention_lse", mutates_args=())
-def sage2_cuda_attention_lse_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
+def sage2_cuda_attention_lse_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, pv: str,
                                 is_causal: bool, staging: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     """The CUDA C++ kernel with each row's log-sum-exp (ring-attention steps)."""
     from .sage2_cuda import sage2_cuda_attention
-    return sage2_cuda_attention(q, k, v, scale=scale, is_causal=is_causal, staging=pool_for(staging),
+    return sage2_cuda_attention(q, k, v, scale=scale, pv=pv, is_causal=is_causal, staging=pool_for(staging),
                                 return_lse=True)
 
 
 @sage2_cuda_attention_lse_op.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, is_causal: bool,
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, pv: str, is_causal: bool,
       staging: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     return q.new_empty(q.shape[:-1] + (v.shape[-1],)), q.new_empty(q.shape[:-1], dtype=torch.float32)

@@ -1,6 +1,7 @@
-// sage2 attention for Hopper (sm_90a) in CUDA C++: INT8 Q.K^T with s32 accumulation, FP8 e4m3 P.V with two-level
-// fp32 accumulation, on the staging of `flash_catalog.kernels.sage2_quant.quantize_qkv` (block_m 64, block_n 128,
-// V^T keys in this kernel's MMA order: `v_mma_order=True`).
+// sage2 attention for Hopper (sm_90a) in CUDA C++: INT8 Q.K^T with s32 accumulation, then P.V either in FP8 e4m3
+// with two-level fp32 accumulation or in fp16 with fp32 accumulation, on the staging of
+// `flash_catalog.kernels.sage2_quant.quantize_qkv` (block_m 64, block_n 128; pv="fp8": V^T keys in this kernel's
+// MMA order, `v_mma_order=True`; pv="fp16": V's padded fp16 copy, `v_fp16=True`).
 //
 // One CTA: 64 * NC query rows of one (batch, head), NC = 3 consumer warpgroups of 64 rows and a producer
 // warpgroup (one thread issues the TMA loads of the Q tiles and of a ring of K / V^T tiles, completing on
@@ -15,12 +16,15 @@
 // once, leaving the tensor cores idle while they do: a token passed round the consumers on named barriers lets one
 // warpgroup at a time run its exponentials, so the others' MMAs and row maxima fall under them.
 //
-// P leaves the softmax as e4m3 packed straight from the score registers into the A-operand registers of the
+// fp16 P.V (PV16): P leaves as fp16 pairs, whose A-register layout is the score layout itself, and V (keys x D,
+// D contiguous) is the MN-major B operand; O is rescaled, then the fp16 wgmma accumulates into it in place (fp32).
+//
+// P leaves the FP8 softmax as e4m3 packed straight from the score registers into the A-operand registers of the
 // FP8 wgmma. The score layout (thread holds keys 8a+2t+{0,1}) and the A layout (thread holds k 4t..4t+3 and
 // 16+4t..) differ; rather than shuffling bytes, the quantiser stores V^T's keys permuted within every 32 so that
 // MMA k-index 16*(a>>1) + 4t + 2*(a&1) + b holds key 8a + 2t + b (sum over k is order-free).
 //
-// Exposed to Python through ctypes (no torch headers): fc_sage2_sm90_fp8() launches on a given stream and
+// Exposed to Python through ctypes (no torch headers): fc_sage2_sm90() launches on a given stream and
 // returns 0, or an error code with fc_sage2_sm90_error() saying what.
 
 #include <cuda.h>
@@ -116,6 +120,18 @@ __device__ __forceinline__ uint64_t smem_desc(const void* tile, int row_bytes) {
   return desc;
 }
 
+// Shared-memory matrix descriptor of an MN-major 16-bit tile (V: keys x D, D contiguous) loaded by TMA in boxes of
+// 128 keys x 64 values (128-byte rows, 128B swizzle): 8-key groups are 1024 bytes apart (stride byte offset), the
+// next 64 values of D a whole box, 128 * 128 bytes, on (leading byte offset).
+__device__ __forceinline__ uint64_t smem_desc_mn16(const void* tile) {
+  const uint32_t addr = smem_u32(tile);
+  uint64_t desc = (addr & 0x3FFFF) >> 4;
+  desc |= uint64_t((kBlockN * 128) >> 4) << 16;
+  desc |= uint64_t(1024 >> 4) << 32;
+  desc |= uint64_t(1) << 62;
+  return desc;
+}
+
 // Named barriers 1..3 (0 is __syncthreads): the exponential token. bar.sync waits for the previous consumer's
 // bar.arrive (128 + 128 threads); a ring of three cannot arrive twice before its successor has synced.
 __device__ __forceinline__ void bar_sync_256(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
@@ -141,6 +157,13 @@ __device__ __forceinline__ uint32_t pack_e4m3x2(float lo, float hi) {
   return r;
 }
 
+// Two fp32 values to an fp16 pair (round to nearest even), `lo` in the low half.
+__device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
 // Operand lists of the wgmma wrappers: the accumulator registers d[i..] under constraint C ("=r"/"=f" when the
 // MMA overwrites them, "+r"/"+f" when it accumulates), and their names in the instruction text.
 #define FC_D8(C, i) C(d[i]), C(d[i + 1]), C(d[i + 2]), C(d[i + 3]), C(d[i + 4]), C(d[i + 5]), C(d[i + 6]), C(d[i + 7])
@@ -159,6 +182,12 @@ __device__ __forceinline__ uint32_t pack_e4m3x2(float lo, float hi) {
   asm volatile(FC_SCALE_D(ACC) "wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 {" REGS "}, {" A0       \
                "}, " B ", p, 1, 1;\n}\n"                                                                          \
                : DEST(C)                                                                                          \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b))
+// accumulates (scale-d 1); the final 1 transposes B: V is MN-major
+#define FC_WGMMA_F16(N, REGS, DEST, A0, B)                                                                        \
+  asm volatile(FC_SCALE_D(1) "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.f16.f16 {" REGS "}, {" A0 "}, " B    \
+               ", p, 1, 1, 1;\n}\n"                                                                               \
+               : DEST("+f")                                                                                       \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b))
 
 // D(64 x 128, s32) (+)= A(64 x 32, s8, smem) . B(128 x 32, s8, smem)^T, both K-major; ACC: accumulate into D.
@@ -185,6 +214,16 @@ __device__ __forceinline__ void wgmma_e4m3_m64k32(float (&d)[N / 2], const uint3
   }
 }
 
+// D(64 x N, f32) += A(64 x 16, f16, registers) . B(16 x N, f16, smem, MN-major); N = 128 or 64.
+template <int N>
+__device__ __forceinline__ void wgmma_f16_m64k16(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b) {
+  if constexpr (N == 128) {
+    FC_WGMMA_F16(128, FC_R64, FC_D64, "%64, %65, %66, %67", "%68");
+  } else {
+    FC_WGMMA_F16(64, FC_R32, FC_D32_0, "%32, %33, %34, %35", "%36");
+  }
+}
+
 // ------------------------------------------------------------------------------------------------------------------
 // The kernel
 // ------------------------------------------------------------------------------------------------------------------
@@ -192,18 +231,19 @@ __device__ __forceinline__ void wgmma_e4m3_m64k32(float (&d)[N / 2], const uint3
 struct Params {
   const float* q_scale;  // (B*Hq, n_qb): per 64-row tile, softmax scale * log2(e) folded in
   const float* k_scale;  // (B*Hkv, n_kb): per 128-key tile
-  const float* v_scale;  // (B*Hkv, D): per channel, amax / 448
+  const float* v_scale;  // (B*Hkv, D): per channel, amax / 448 (FP8 P.V); null for fp16 P.V
   void* out;             // (B, Hq, Sq, D), unit stride along D
   float* lse;            // (B, Hq, Sq) natural log-sum-exp of the scores seen (K less its mean), or null
   long long stride_ob, stride_oh, stride_os;
   int hq, hkv, sq, skv, n_qb, n_kb, out_bf16;
 };
 
-template <int D, int NC, int STAGES>
+template <int D, int NC, int STAGES, bool PV16>
 struct SharedStorage {
   alignas(1024) int8_t q[64 * NC * D];
   alignas(1024) int8_t k[STAGES][kBlockN * D];
-  alignas(1024) uint8_t v[STAGES][D * kBlockN];  // V^T tiles: D rows of 128 keys
+  // FP8: V^T tiles, D rows of 128 keys; fp16: V tiles, D / 64 boxes of 128 keys x 64 values
+  alignas(1024) uint8_t v[STAGES][D * kBlockN * (PV16 ? 2 : 1)];
   uint64_t full[STAGES];
   uint64_t empty[STAGES];
   uint64_t q_full;
@@ -211,14 +251,15 @@ struct SharedStorage {
 
 // Online softmax of one 64 x 128 score block held as the wgmma accumulator (thread: rows r0, r0 + 8; keys
 // 8*j + 2t + {0, 1} for j < 16). Scores are exact int32 dot products; `c` = q_scale * k_scale turns them into the
-// log2 domain. P leaves as e4m3 (scaled by 448) in the FP8 wgmma's A-register order; `l` gets this thread's part of
+// log2 domain. P leaves scaled by 448, as e4m3 in the FP8 wgmma's A-register order or (PV16) as fp16 pairs in the
+// score order, which is the fp16 wgmma's A-register order; `l` gets this thread's part of
 // the row sums of the fp32 P (the quad's parts are added at the end); `alpha` rescales the rows' earlier sums. The
 // exponentials and the packing run between waiting for `turn.mine` and signalling `turn.next`. MASKED: keys >= skv,
 // and keys past the row when causal, take no softmax mass.
-template <bool MASKED, bool CAUSAL>
+template <bool MASKED, bool CAUSAL, bool PV16>
 __device__ __forceinline__ void softmax_block(int32_t (&s)[64], float c, float (&m)[2], float (&l)[2],
-                                              float (&alpha)[2], uint32_t (&p)[16], int col0, int r0, int skv,
-                                              Turn turn) {
+                                              float (&alpha)[2], uint32_t (&p)[PV16 ? 32 : 16], int col0, int r0,
+                                              int skv, Turn turn) {
   const int t = threadIdx.x & 3;
   if constexpr (MASKED) {
 #pragma unroll
@@ -256,7 +297,7 @@ __device__ __forceinline__ void softmax_block(int32_t (&s)[64], float c, float (
   bar_sync_256(turn.mine);
   fence_regs(s);  // nothing of the exponentials is hoisted above the wait
   float sum[2] = {0.0f, 0.0f};
-  // P for key j (of 16 groups of 8) and row half h, as two e4m3 bytes
+  // P for key j (of 16 groups of 8) and row half h, as two e4m3 bytes or an fp16 pair
   auto pair = [&](int j, int h) -> uint32_t {
     float e[2];
 #pragma unroll
@@ -266,14 +307,22 @@ __device__ __forceinline__ void softmax_block(int32_t (&s)[64], float c, float (
       e[b] = ex2(x);
     }
     sum[h] += e[0] + e[1];
-    return pack_e4m3x2(e[0], e[1]);
+    return PV16 ? pack_f16x2(e[0], e[1]) : pack_e4m3x2(e[0], e[1]);
   };
+  if constexpr (PV16) {
 #pragma unroll
-  for (int kc = 0; kc < 4; ++kc) {
-    p[4 * kc + 0] = pair(4 * kc + 0, 0) | (pair(4 * kc + 1, 0) << 16);
-    p[4 * kc + 1] = pair(4 * kc + 0, 1) | (pair(4 * kc + 1, 1) << 16);
-    p[4 * kc + 2] = pair(4 * kc + 2, 0) | (pair(4 * kc + 3, 0) << 16);
-    p[4 * kc + 3] = pair(4 * kc + 2, 1) | (pair(4 * kc + 3, 1) << 16);
+    for (int j = 0; j < 16; ++j) {
+      p[2 * j] = pair(j, 0);
+      p[2 * j + 1] = pair(j, 1);
+    }
+  } else {
+#pragma unroll
+    for (int kc = 0; kc < 4; ++kc) {
+      p[4 * kc + 0] = pair(4 * kc + 0, 0) | (pair(4 * kc + 1, 0) << 16);
+      p[4 * kc + 1] = pair(4 * kc + 0, 1) | (pair(4 * kc + 1, 1) << 16);
+      p[4 * kc + 2] = pair(4 * kc + 2, 0) | (pair(4 * kc + 3, 0) << 16);
+      p[4 * kc + 3] = pair(4 * kc + 2, 1) | (pair(4 * kc + 3, 1) << 16);
+    }
   }
   if (turn.pass) {
     fence_regs(p);  // every exponential is done before the token moves on
@@ -290,7 +339,7 @@ __device__ __forceinline__ void qk_block(int32_t (&s)[64], uint64_t desc_q, uint
   for (int kk = 1; kk < D / 32; ++kk) wgmma_s8_m64n128k32<true>(s, desc_q + 2 * kk, desc_k + 2 * kk);
 }
 
-// P.V over one 128-key block into a fresh fp32 accumulator.
+// FP8 P.V over one 128-key block into a fresh fp32 accumulator.
 template <int D>
 __device__ __forceinline__ void pv_block(float (&o)[D / 2], const uint32_t (&p)[16], uint64_t desc_v) {
 #pragma unroll
@@ -304,13 +353,23 @@ __device__ __forceinline__ void pv_block(float (&o)[D / 2], const uint32_t (&p)[
   }
 }
 
-template <int D, int NC, int STAGES, bool CAUSAL>
+// fp16 P.V over one 128-key block, accumulated into o: 16 keys per MMA, 16 rows of 128 bytes further on in V.
+template <int D>
+__device__ __forceinline__ void pv16_block(float (&o)[D / 2], const uint32_t (&p)[32], uint64_t desc_v) {
+#pragma unroll
+  for (int kc = 0; kc < 8; ++kc) {
+    const uint32_t a[4] = {p[4 * kc], p[4 * kc + 1], p[4 * kc + 2], p[4 * kc + 3]};
+    wgmma_f16_m64k16<D>(o, a, desc_v + kc * ((16 * 128) >> 4));
+  }
+}
+
+template <int D, int NC, int STAGES, bool CAUSAL, bool PV16>
 __global__ void __launch_bounds__(128 * (NC + 1), 1)
-    sage2_fp8_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+    sage2_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                           const __grid_constant__ CUtensorMap tm_v, const Params prm) {
   constexpr int kRows = 64 * NC;  // query rows of one CTA
   extern __shared__ uint8_t smem_raw[];
-  using Smem = SharedStorage<D, NC, STAGES>;
+  using Smem = SharedStorage<D, NC, STAGES, PV16>;
   Smem& sm = *reinterpret_cast<Smem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
 
   const int m_block = CAUSAL ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x);
@@ -343,9 +402,15 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
       for (int j = 0; j < n_kv; ++j) {
         const int slot = j % STAGES;
         mbar_wait(&sm.empty[slot], ((j / STAGES) & 1) ^ 1);
-        mbar_expect_tx(&sm.full[slot], 2 * kBlockN * D);
+        mbar_expect_tx(&sm.full[slot], (PV16 ? 3 : 2) * kBlockN * D);
         tma_load_3d(sm.k[slot], &tm_k, &sm.full[slot], 0, j * kBlockN, bhk);
-        tma_load_3d(sm.v[slot], &tm_v, &sm.full[slot], j * kBlockN, 0, bhk);
+        if constexpr (PV16) {  // byte columns [128 i, 128 i + 128) of V's 2D-byte rows: 64 values of D each
+#pragma unroll
+          for (int i = 0; i < D / 64; ++i)
+            tma_load_3d(sm.v[slot] + i * kBlockN * 128, &tm_v, &sm.full[slot], 128 * i, j * kBlockN, bhk);
+        } else {
+          tma_load_3d(sm.v[slot], &tm_v, &sm.full[slot], j * kBlockN, 0, bhk);
+        }
       }
     }
     return;
@@ -364,11 +429,11 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
   const int n_plain = CAUSAL ? min(prm.skv / kBlockN, (m_base + cw * 64 + 1) / kBlockN) : prm.skv / kBlockN;
 
   float o[D / 2];
-  float ob[D / 2];  // one key block's P.V
+  float ob[PV16 ? 1 : D / 2];  // one key block's FP8 P.V
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
   int32_t s[64];
-  uint32_t p[16];
+  uint32_t p[PV16 ? 32 : 16];
   float m[2] = {-INFINITY, -INFINITY};
   float l[2] = {0.0f, 0.0f};
   float alpha[2];
@@ -376,8 +441,9 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
   mbar_wait(&sm.q_full, 0);
   // every consumer runs n_kv blocks, so the token's ring stays whole; the last consumer hands the first its first turn
   if (cw == NC - 1) bar_arrive_256(1);
-  // Per key block: Q.K^T, the softmax, P.V into a fresh fp32 block, then O = O * alpha + block. The other
-  // consumers' MMAs fill the tensor cores while this one runs its exponentials (holding the token).
+  // Per key block: Q.K^T, the softmax, then FP8 P.V into a fresh fp32 block and O = O * alpha + block, or O *= alpha
+  // and fp16 P.V into O. The other consumers' MMAs fill the tensor cores while this one runs its exponentials
+  // (holding the token).
   for (int j = 0; j < n_kv; ++j) {
     const int slot = j % STAGES;
     mbar_wait(&sm.full[slot], (j / STAGES) & 1);
@@ -389,19 +455,30 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
     const float c = q_scale * k_scale[j];
     const Turn turn{1 + cw, 1 + (cw + 1) % NC, !(cw == NC - 1 && j == n_kv - 1)};
     if (j < n_plain) {
-      softmax_block<false, CAUSAL>(s, c, m, l, alpha, p, j * kBlockN, r0, prm.skv, turn);
+      softmax_block<false, CAUSAL, PV16>(s, c, m, l, alpha, p, j * kBlockN, r0, prm.skv, turn);
     } else {
-      softmax_block<true, CAUSAL>(s, c, m, l, alpha, p, j * kBlockN, r0, prm.skv, turn);
+      softmax_block<true, CAUSAL, PV16>(s, c, m, l, alpha, p, j * kBlockN, r0, prm.skv, turn);
     }
     fence_regs(p);
-    wgmma_fence();
-    pv_block<D>(ob, p, smem_desc(sm.v[slot], 128));
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(ob);
-    if (lane == 0) mbar_arrive(&sm.empty[slot]);
+    if constexpr (PV16) {
 #pragma unroll
-    for (int i = 0; i < D / 2; ++i) o[i] = fmaf(o[i], alpha[(i >> 1) & 1], ob[i]);
+      for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
+      wgmma_fence();
+      pv16_block<D>(o, p, smem_desc_mn16(sm.v[slot]));
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(o);
+      if (lane == 0) mbar_arrive(&sm.empty[slot]);
+    } else {
+      wgmma_fence();
+      pv_block<D>(ob, p, smem_desc(sm.v[slot], 128));
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(ob);
+      if (lane == 0) mbar_arrive(&sm.empty[slot]);
+#pragma unroll
+      for (int i = 0; i < D / 2; ++i) o[i] = fmaf(o[i], alpha[(i >> 1) & 1], ob[i]);
+    }
   }
 
   // epilogue: the row sums are per thread so far (alpha is uniform across the quad that shares a row)
@@ -411,7 +488,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
     l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], 2);
   }
   const float inv_l[2] = {1.0f / l[0], 1.0f / l[1]};
-  const float* v_scale = prm.v_scale + static_cast<long long>(bhk) * D;
+  const float* v_scale = PV16 ? nullptr : prm.v_scale + static_cast<long long>(bhk) * D;
   const int t = lane & 3;
   if (prm.lse != nullptr && t == 0) {  // m is log2-domain, l carries P's 448: back to a natural log
     float* lse_bh = prm.lse + static_cast<long long>(bh) * prm.sq;
@@ -432,7 +509,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
 #pragma unroll
     for (int j = 0; j < D / 8; ++j) {
       const int d = 8 * j + 2 * t;
-      const float2 vs = *reinterpret_cast<const float2*>(v_scale + d);
+      const float2 vs = PV16 ? make_float2(1.0f, 1.0f) : *reinterpret_cast<const float2*>(v_scale + d);
       const float x0 = o[4 * j + 2 * hh] * vs.x * inv_l[hh];
       const float x1 = o[4 * j + 2 * hh + 1] * vs.y * inv_l[hh];
       uint32_t packed;
@@ -487,11 +564,11 @@ bool make_map(CUtensorMap* map, const void* base, uint64_t dim0, uint64_t dim1, 
                      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-template <int D, int NC, int STAGES, bool CAUSAL>
+template <int D, int NC, int STAGES, bool CAUSAL, bool PV16>
 int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& prm, int batch,
            int sq_pad, cudaStream_t stream) {
-  auto kernel = sage2_fp8_sm90_kernel<D, NC, STAGES, CAUSAL>;
-  const int smem = static_cast<int>(sizeof(SharedStorage<D, NC, STAGES>)) + 1024;
+  auto kernel = sage2_sm90_kernel<D, NC, STAGES, CAUSAL, PV16>;
+  const int smem = static_cast<int>(sizeof(SharedStorage<D, NC, STAGES, PV16>)) + 1024;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return fail(3, cudaGetErrorString(err));
   const dim3 grid((sq_pad + 64 * NC - 1) / (64 * NC), batch * prm.hq);
@@ -501,11 +578,18 @@ int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, 
   return 0;
 }
 
-template <int D, int NC, int STAGES>
+template <int D, int NC, int STAGES, bool PV16>
 int launch_causal(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& prm,
                   int batch, int sq_pad, int causal, cudaStream_t stream) {
-  return causal ? launch<D, NC, STAGES, true>(tq, tk, tv, prm, batch, sq_pad, stream)
-                : launch<D, NC, STAGES, false>(tq, tk, tv, prm, batch, sq_pad, stream);
+  return causal ? launch<D, NC, STAGES, true, PV16>(tq, tk, tv, prm, batch, sq_pad, stream)
+                : launch<D, NC, STAGES, false, PV16>(tq, tk, tv, prm, batch, sq_pad, stream);
+}
+
+template <int D, int NC, int STAGES>
+int launch_pv(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& prm, int batch,
+              int sq_pad, int causal, int pv_fp16, cudaStream_t stream) {
+  return pv_fp16 ? launch_causal<D, NC, STAGES, true>(tq, tk, tv, prm, batch, sq_pad, causal, stream)
+                 : launch_causal<D, NC, STAGES, false>(tq, tk, tv, prm, batch, sq_pad, causal, stream);
 }
 
 }  // namespace
@@ -514,33 +598,37 @@ extern "C" {
 
 const char* fc_sage2_sm90_error() { return g_error; }
 
-// Attention on quantize_qkv staging (pv="fp8", block_m=64, block_n=128, v_mma_order=True): q8 (B, Hq, sq_pad, D)
-// int8, k8 (B, Hkv, skv_pad, D) int8, vt8 (B, Hkv, D, skv_pad) e4m3, all contiguous; out (B, Hq, sq, D) fp16 or
+// Attention on quantize_qkv staging (block_m=64, block_n=128): q8 (B, Hq, sq_pad, D) int8, k8 (B, Hkv, skv_pad, D)
+// int8, and v: with pv_fp16 = 0 (pv="fp8", v_mma_order=True) V^T (B, Hkv, D, skv_pad) e4m3 with v_scale
+// (B, Hkv, D), with pv_fp16 = 1 (pv="fp16", v_fp16=True) V (B, Hkv, skv_pad, D) fp16 and no v_scale (null); all
+// contiguous; out (B, Hq, sq, D) fp16 or
 // bf16 with unit stride along D; lse, where not null, (B, Hq, sq) float32 gets each row's natural log-sum-exp of the
 // scaled scores against K less its token mean (the caller adds scale * q . mean(K) back).
 // Returns 0, or a nonzero code with fc_sage2_sm90_error() saying why.
-int fc_sage2_sm90_fp8(const void* q8, const void* k8, const void* vt8, const float* q_scale, const float* k_scale,
-                      const float* v_scale, void* out, float* lse, int out_bf16, int batch, int hq, int hkv, int sq,
-                      int sq_pad, int skv, int skv_pad, int head_dim, long long stride_ob, long long stride_oh,
-                      long long stride_os, int causal, void* stream) {
+int fc_sage2_sm90(const void* q8, const void* k8, const void* v, const float* q_scale, const float* k_scale,
+                  const float* v_scale, void* out, float* lse, int out_bf16, int batch, int hq, int hkv, int sq,
+                  int sq_pad, int skv, int skv_pad, int head_dim, long long stride_ob, long long stride_oh,
+                  long long stride_os, int causal, int pv_fp16, void* stream) {
   if (head_dim != 64 && head_dim != 128) return fail(1, "head_dim must be 64 or 128");
   if (hkv <= 0 || hq % hkv != 0) return fail(1, "query heads must be a multiple of key/value heads");
   if (sq <= 0 || skv <= 0 || sq_pad % 64 != 0 || skv_pad % kBlockN != 0 || sq_pad < sq || skv_pad < skv)
     return fail(1, "sequence lengths or their padding are invalid (sq_pad: multiple of 64, skv_pad: of 128)");
   if (batch * hq > 65535) return fail(1, "batch x heads exceeds 65535");
+  if ((v_scale == nullptr) != (pv_fp16 != 0)) return fail(1, "v_scale is for FP8 P.V only: pass it exactly then");
   if (encode_fn() == nullptr) return fail(2, "the driver offers no cuTensorMapEncodeTiled (CUDA 12+ driver needed)");
   CUtensorMap tq, tk, tv;
   const uint64_t d = static_cast<uint64_t>(head_dim);
   if (!make_map(&tq, q8, d, sq_pad, uint64_t(batch) * hq, head_dim, 64) ||
       !make_map(&tk, k8, d, skv_pad, uint64_t(batch) * hkv, head_dim, kBlockN) ||
-      !make_map(&tv, vt8, skv_pad, d, uint64_t(batch) * hkv, kBlockN, head_dim))
+      !(pv_fp16 ? make_map(&tv, v, 2 * d, skv_pad, uint64_t(batch) * hkv, 128, kBlockN)
+                : make_map(&tv, v, skv_pad, d, uint64_t(batch) * hkv, kBlockN, head_dim)))
     return fail(2, "cuTensorMapEncodeTiled refused a staging tensor (alignment or size)");
   const Params prm{q_scale, k_scale, v_scale, out, lse, stride_ob, stride_oh, stride_os,
                    hq, hkv, sq, skv, sq_pad / 64, skv_pad / kBlockN, out_bf16};
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   constexpr int kConsumers = 3;  // two measured 10-20% slower on the H200, also taking turns FA3-style
-  if (head_dim == 128) return launch_causal<128, kConsumers, 4>(tq, tk, tv, prm, batch, sq_pad, causal, st);
-  return launch_causal<64, kConsumers, 6>(tq, tk, tv, prm, batch, sq_pad, causal, st);
+  if (head_dim == 128) return launch_pv<128, kConsumers, 4>(tq, tk, tv, prm, batch, sq_pad, causal, pv_fp16, st);
+  return launch_pv<64, kConsumers, 6>(tq, tk, tv, prm, batch, sq_pad, causal, pv_fp16, st);
 }
 
 }  // extern "C"
