@@ -61,12 +61,16 @@ def test_cuda_grouped_forms_compile_and_match_the_host(form):
         assert torch.equal(model(**inputs), reference)
 
 
-@pytest.mark.parametrize("form", ["sage2_fp8", "sage2_fp16"])
+@pytest.mark.parametrize("form", ["sage2_fp8", "sage2_fp16", "sage2_fp8_cuda", "sage2_fp16_cuda"])
 def test_cuda_sage2_forms_bind_when_named(form):
     from test_grouped_hosts import Block
 
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    if form.endswith("_cuda") and not hopper:
+        pytest.skip("the CUDA C++ kernel needs an sm_90 GPU")
     torch.manual_seed(0)
     model = torch.nn.Sequential(Block(dim=1024, heads=8)).eval().to("cuda", torch.bfloat16)
+    state = {name: t.clone() for name, t in model.state_dict().items()}
     x = torch.randn(1, 2048, 1024, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         reference = model(x)
@@ -74,17 +78,19 @@ def test_cuda_sage2_forms_bind_when_named(form):
     try:
         site = plan.site("0#0")
         assert site.outcome == "bound" and site.form == form, str(plan)
-        # kernel "auto": Gluon on sm_90 (head_dim 128, not causal), Triton otherwise
-        gluon = torch.cuda.get_device_capability() == (9, 0)
-        assert f"{'gluon' if gluon else 'triton'} kernel" in site.shapes[0].reason, site.shapes[0].reason
+        # kernel "auto" for the Triton forms: Gluon on sm_90 (head_dim 128, not causal), Triton otherwise
+        kernel = "CUDA" if form.endswith("_cuda") else "gluon" if hopper else "triton"
+        pv = "FP16" if form.startswith("sage2_fp16") else "FP8"
+        assert f"INT8 QK, {pv} PV, {kernel} kernel" in site.shapes[0].reason, site.shapes[0].reason
         with torch.no_grad():
             attached = model(x)
         cos = torch.nn.functional.cosine_similarity(attached.float().flatten(), reference.float().flatten(), dim=0)
-        assert cos > 0.999
+        assert cos > (0.9999 if form == "sage2_fp16_cuda" else 0.999), cos
     finally:
         detach(plan)
     with torch.no_grad():
         assert torch.equal(model(x), reference)
+    assert all(torch.equal(t, state[name]) for name, t in model.state_dict().items())
 
 
 def test_cuda_fp8_ffn_offloads_host_weights_and_restores_them():
