@@ -172,7 +172,7 @@ def test_log_sum_exp_for_ring_steps(b, hq, hkv, sq, skv, d, causal, pv):
     assert lse.shape == (b, hq, sq) and lse.dtype == torch.float32 and lse.is_contiguous()
     # against the scores of the staged INT8 operands (log2 domain, K less its mean): only the kernel's arithmetic
     staged = quantize_qkv(q, k, v, sm_scale=scale, pv=pv, block_m=64, block_n=128,
-                          **({"v_mma_order": True} if pv == "fp8" else {"v_fp16": True}))
+                          **sage2_cuda.staging_options(pv))
     q_staged = staged.q8.double() * staged.q_scale.double().repeat_interleave(64, dim=-1)[..., None]
     k_staged = staged.k8.double() * staged.k_scale.double().repeat_interleave(128, dim=-1)[..., None]
     of_staged = log_sum_exp(q_staged[:, :, :sq] * math.log(2), k_staged[:, :, :skv])

@@ -15,9 +15,11 @@ from ..masks import ALL_PASS
 from .base import AttentionForm, Runner
 
 
-def _run(pv: str, staging: str, call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    # an all-pass mask is dropped: the envelope admits only none and all_pass
-    op = sage2_attention_lse_op if call.return_lse else sage2_attention_op
+def run_op(plain: Callable[..., torch.Tensor], with_lse: Callable[..., tuple[torch.Tensor, torch.Tensor]], pv: str,
+           staging: str, call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """A sage2 op pair's call (`plain`, or `with_lse` where the call needs the log-sum-exp); both the Triton/Gluon
+    and the CUDA ops take these arguments. An all-pass mask is dropped: the envelope admits only none and all_pass."""
+    op = with_lse if call.return_lse else plain
     return op(call.query, call.key, call.value, call.scale, pv, call.is_causal, staging)
 
 
@@ -50,7 +52,8 @@ class _Sage2(AttentionForm):
 
     def build(self, call: AttentionCall) -> Runner:
         kernel = choose_kernel(call.query, self.pv, call.is_causal, "triton" if call.return_lse else "auto")
-        return staged_runner(functools.partial(_run, self.pv), f"INT8 QK, {self.pv.upper()} PV, {kernel} kernel",
+        return staged_runner(functools.partial(run_op, sage2_attention_op, sage2_attention_lse_op, self.pv),
+                             f"INT8 QK, {self.pv.upper()} PV, {kernel} kernel",
                              call, self.staging,
                              lambda: staging_keys(call.query, call.key, self.pv, call.is_causal, kernel))
 

@@ -6,19 +6,11 @@ from __future__ import annotations
 
 import functools
 
-import torch
-
 from ..calls import AttentionCall
 from ..kernels.sage2_cuda import cuda_refusal, staging_keys
 from ..kernels.sage2_op import sage2_cuda_attention_lse_op, sage2_cuda_attention_op
 from .base import AttentionForm, Runner
-from .sage2 import shape_rule, staged_runner
-
-
-def _run(pv: str, staging: str, call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    # an all-pass mask is dropped: the envelope admits only none and all_pass
-    op = sage2_cuda_attention_lse_op if call.return_lse else sage2_cuda_attention_op
-    return op(call.query, call.key, call.value, call.scale, pv, call.is_causal, staging)
+from .sage2 import run_op, shape_rule, staged_runner
 
 
 class _Sage2Cuda(AttentionForm):
@@ -29,8 +21,9 @@ class _Sage2Cuda(AttentionForm):
         return why if why is not None else cuda_refusal(call.query, self.pv)
 
     def build(self, call: AttentionCall) -> Runner:
-        return staged_runner(functools.partial(_run, self.pv), f"INT8 QK, {self.pv.upper()} PV, CUDA kernel", call,
-                             self.staging, lambda: staging_keys(call.query, call.key, self.pv))
+        run = functools.partial(run_op, sage2_cuda_attention_op, sage2_cuda_attention_lse_op, self.pv)
+        return staged_runner(run, f"INT8 QK, {self.pv.upper()} PV, CUDA kernel", call, self.staging,
+                             lambda: staging_keys(call.query, call.key, self.pv))
 
 
 class Sage2Fp8Cuda(_Sage2Cuda):

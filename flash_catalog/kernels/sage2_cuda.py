@@ -33,8 +33,9 @@ def build() -> CudaBuild:
     return load_library(SOURCE)
 
 
-def _staging_options(pv: str) -> dict[str, bool]:
-    """How `quantize_qkv` stages V for the kernel: V^T in its FP8 MMA order, or V's padded fp16 copy."""
+def staging_options(pv: str) -> dict[str, bool]:
+    """`quantize_qkv`'s keywords for how the kernel needs V staged: V^T in its FP8 MMA order, or V's padded fp16
+    copy."""
     return {"v_mma_order": True} if pv == "fp8" else {"v_fp16": True}
 
 
@@ -53,7 +54,7 @@ def cuda_refusal(q: torch.Tensor, pv: str) -> str | None:
 def staging_keys(q: torch.Tensor, k: torch.Tensor, pv: str) -> tuple[StagingKey, ...]:
     """The pool keys a `sage2_cuda_attention(q, k, v, pv=pv, staging=pool)` call draws."""
     return staging_keys_of(q, k, pv=pv, block_m=STAGING_TILES[0], block_n=STAGING_TILES[1],
-                           v_fp16=_staging_options(pv).get("v_fp16", False))
+                           v_fp16=pv == "fp16")
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,7 @@ def sage2_cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
         return empty_result(q, return_lse)
     sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     staged = quantize_qkv(q, k, v, sm_scale=sm_scale, pv=pv, block_m=STAGING_TILES[0], block_n=STAGING_TILES[1],
-                          validate=False, staging=staging, **_staging_options(pv))
+                          validate=False, staging=staging, **staging_options(pv))
     if not return_lse:
         return sage2_cuda_staged(staged, out_dtype=q.dtype, is_causal=is_causal)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)

@@ -18,16 +18,25 @@ from .sage2_attention import sage2_attention
 from .staging import pool_for
 
 
+def _fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, pv: str, is_causal: bool,
+          staging: str = "") -> torch.Tensor:
+    """The output's shape for the compiler: every sage2 op (Triton/Gluon or CUDA) takes these arguments."""
+    return q.new_empty(q.shape[:-1] + (v.shape[-1],))
+
+
+def _fake_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, pv: str, is_causal: bool,
+              staging: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    """The output's and the log-sum-exp's shapes for the compiler."""
+    return _fake(q, k, v, scale, pv, is_causal, staging), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
 @torch.library.custom_op("flash_catalog::sage2_attention", mutates_args=())
 def sage2_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, pv: str,
                        is_causal: bool, staging: str = "") -> torch.Tensor:
     return sage2_attention(q, k, v, scale=scale, pv=pv, is_causal=is_causal, staging=pool_for(staging))
 
 
-@sage2_attention_op.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, pv: str,
-      is_causal: bool, staging: str = "") -> torch.Tensor:
-    return q.new_empty(q.shape[:-1] + (v.shape[-1],))
+sage2_attention_op.register_fake(_fake)
 
 
 @torch.library.custom_op("flash_catalog::sage2_attention_lse", mutates_args=())
@@ -37,10 +46,7 @@ def sage2_attention_lse_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
                            return_lse=True)
 
 
-@sage2_attention_lse_op.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, pv: str,
-      is_causal: bool, staging: str = "") -> tuple[torch.Tensor, torch.Tensor]:
-    return q.new_empty(q.shape[:-1] + (v.shape[-1],)), q.new_empty(q.shape[:-1], dtype=torch.float32)
+sage2_attention_lse_op.register_fake(_fake_lse)
 
 
 @torch.library.custom_op("flash_catalog::sage2_cuda_attention", mutates_args=())
@@ -51,10 +57,7 @@ def sage2_cuda_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     return sage2_cuda_attention(q, k, v, scale=scale, pv=pv, is_causal=is_causal, staging=pool_for(staging))
 
 
-@sage2_cuda_attention_op.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, pv: str, is_causal: bool,
-      staging: str = "") -> torch.Tensor:
-    return q.new_empty(q.shape[:-1] + (v.shape[-1],))
+sage2_cuda_attention_op.register_fake(_fake)
 
 
 @torch.library.custom_op("flash_catalog::sage2_cuda_attention_lse", mutates_args=())
@@ -66,7 +69,4 @@ def sage2_cuda_attention_lse_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                                 return_lse=True)
 
 
-@sage2_cuda_attention_lse_op.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, pv: str, is_causal: bool,
-      staging: str = "") -> tuple[torch.Tensor, torch.Tensor]:
-    return q.new_empty(q.shape[:-1] + (v.shape[-1],)), q.new_empty(q.shape[:-1], dtype=torch.float32)
+sage2_cuda_attention_lse_op.register_fake(_fake_lse)
