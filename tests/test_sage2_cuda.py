@@ -149,6 +149,35 @@ def test_cuda_kernel_matches_fp64_and_the_triton_kernel(b, hq, hkv, sq, skv, d, 
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("rise", [3.0, 6.9, 7.1, 40.0])
+def test_fp16_pv_keeps_a_rows_max_until_a_block_beats_it_by_7(rise):
+    """Scores that climb by `rise` (log2 units) from one 128-key block to the next. fp16 P.V keeps a row's max until a
+    block beats it by 7: P grows towards 448 * 2^7 (below fp16's 65504), then O is rescaled. Against fp64 attention
+    on the staged operands (the kernel's arithmetic alone), output and log-sum-exp stay exact to fp16 P's rounding."""
+    sq, skv, d, scale = 256, 1024, 128, 0.125
+    g = torch.Generator(device="cuda").manual_seed(int(rise * 10))
+    q = torch.randn(1, 2, sq, d, device="cuda", generator=g) * 0.1
+    k = torch.randn(1, 2, skv, d, device="cuda", generator=g) * 0.1
+    q[..., 0] = 4.0  # q . k_t climbs with t through K's first channel
+    k[..., 0] = torch.arange(skv, device="cuda") * (rise / 128 / (4.0 * scale * math.log2(math.e)))
+    v = torch.randn(1, 2, skv, d, device="cuda", generator=g)
+    q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+    out, lse = sage2_cuda.sage2_cuda_attention(q, k, v, scale=scale, pv="fp16", return_lse=True)
+    staged = quantize_qkv(q, k, v, sm_scale=scale, pv="fp16", block_m=64, block_n=128,
+                          **sage2_cuda.staging_options("fp16"))
+    q_staged = staged.q8.double()[:, :, :sq] * staged.q_scale.double().repeat_interleave(64, dim=-1)[..., :sq, None]
+    k_staged = staged.k8.double()[:, :, :skv] * staged.k_scale.double().repeat_interleave(128, dim=-1)[..., :skv, None]
+    scores = torch.einsum("bhsd,bhtd->bhst", q_staged, k_staged) * math.log(2)  # natural units
+    assert float(scores.amax(-1).mean() - scores[..., :128].amax(-1).mean()) > 7 * rise * math.log(2) - 1
+    exact = torch.softmax(scores, dim=-1) @ v.double()
+    assert _rel_l2(out, exact) < 2e-3
+    exact_lse = torch.logsumexp(scores, dim=-1) + scale * torch.einsum("bhsd,bhd->bhs", q.double(),
+                                                                         staged.k_mean.double())
+    assert (lse.double() - exact_lse).abs().max() < 2e-3
+
+
+@pytest.mark.gpu
+@needs_hopper
 @pytest.mark.parametrize("pv", ["fp8", "fp16"])
 @pytest.mark.parametrize("b,hq,hkv,sq,skv,d,causal", [
     (1, 4, 4, 1000, 777, 128, False), (2, 6, 2, 333, 1500, 64, False), (1, 4, 2, 700, 700, 128, True),

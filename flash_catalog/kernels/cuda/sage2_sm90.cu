@@ -12,12 +12,18 @@
 // consumers with 240 registers each, taking turns at the tensor cores FA3-style, measured slower, and a
 // warpgroup overlapping its own softmax with its P.V needs a second accumulator in flight, which spilled.
 //
-// The exponentials (MUFU) and the e4m3 packing share the XU pipe, which the three softmaxes would otherwise hit at
-// once, leaving the tensor cores idle while they do: a token passed round the consumers on named barriers lets one
-// warpgroup at a time run its exponentials, so the others' MMAs and row maxima fall under them.
+// The exponentials (MUFU) and the packing share the XU pipe, which the three softmaxes would otherwise hit at once,
+// leaving the tensor cores idle while they do: a token passed round the consumers on named barriers keeps their
+// softmaxes apart. ptxas moves register-only instructions across bar.sync and bar.arrive, so where the token sits
+// is ptxas's choice unless pinned. In the FP8 build it waits inside the row maxima and signals after the first
+// exponentials; that measured faster than the token over all the exponentials (a lone warp's exponentials are
+// latency-bound) and than no token. fp16 pins that shape: a barrier id that depends on values orders them before
+// the barrier, and values that start from a shared load after it come after it.
 //
 // fp16 P.V (PV16): P leaves as fp16 pairs, whose A-register layout is the score layout itself, and V (keys x D,
 // D contiguous) is the MN-major B operand; O is rescaled, then the fp16 wgmma accumulates into it in place (fp32).
+// fp16 has headroom above P's 448, so a row keeps its max until a block beats it by kLazyMaxLog2; a warp whose rows
+// all kept theirs skips O's rescale (64 multiplies a thread on the consumer's critical path).
 //
 // P leaves the FP8 softmax as e4m3 packed straight from the score registers into the A-operand registers of the
 // FP8 wgmma. The score layout (thread holds keys 8a+2t+{0,1}) and the A layout (thread holds k 4t..4t+3 and
@@ -42,6 +48,9 @@ namespace {
 constexpr int kBlockN = 128;       // keys per block
 constexpr float kLog2PScale = 8.807354922057604f;  // log2(448): P is scaled into e4m3's range
 constexpr int kMagicInt = 0x4B400000;               // bits of 1.5 * 2^23: int -> float with an add
+// fp16 P.V: a row's running max is raised only when a block's max exceeds it by more than this (log2 units), so P
+// stays below 448 * 2^7 = 57344 (fp16's largest finite value is 65504) and O's rescale is rarely needed
+constexpr float kLazyMaxLog2 = 7.0f;
 constexpr float kMagicFloat = 12582912.0f;
 
 // ------------------------------------------------------------------------------------------------------------------
@@ -138,11 +147,24 @@ __device__ __forceinline__ void bar_sync_256(int id) { asm volatile("bar.sync %0
 __device__ __forceinline__ void bar_arrive_256(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory"); }
 
 // Which named barrier a consumer waits on before its exponentials, which one it signals after, and whether it
-// signals (the ring's last turn has no successor).
+// signals (the ring's last turn has no successor); for fp16 P.V, the shared-memory addresses of a 0.0f and an
+// INT_MIN that pin the token's place in the schedule (see softmax_block).
 struct Turn {
   int mine, next;
   bool pass;
+  uint32_t zero_f32, int_min;
 };
+
+__device__ __forceinline__ float ld_shared_f32(uint32_t addr) {
+  float x;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(x) : "r"(addr) : "memory");
+  return x;
+}
+__device__ __forceinline__ int ld_shared_s32(uint32_t addr) {
+  int x;
+  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(x) : "r"(addr) : "memory");
+  return x;
+}
 
 __device__ __forceinline__ float ex2(float x) {
   float y;
@@ -247,15 +269,18 @@ struct SharedStorage {
   uint64_t full[STAGES];
   uint64_t empty[STAGES];
   uint64_t q_full;
+  float zero_f32;  // 0.0f and INT_MIN, read after the token's barriers (Turn)
+  int int_min;
 };
 
 // Online softmax of one 64 x 128 score block held as the wgmma accumulator (thread: rows r0, r0 + 8; keys
 // 8*j + 2t + {0, 1} for j < 16). Scores are exact int32 dot products; `c` = q_scale * k_scale turns them into the
-// log2 domain. P leaves scaled by 448, as e4m3 in the FP8 wgmma's A-register order or (PV16) as fp16 pairs in the
+// log2 domain. P leaves scaled by 448 (PV16: up to 448 * 2^kLazyMaxLog2 against a kept max), as e4m3 in the FP8
+// wgmma's A-register order or (PV16) as fp16 pairs in the
 // score order, which is the fp16 wgmma's A-register order; `l` gets this thread's part of
 // the row sums of the fp32 P (the quad's parts are added at the end); `alpha` rescales the rows' earlier sums. The
-// exponentials and the packing run between waiting for `turn.mine` and signalling `turn.next`. MASKED: keys >= skv,
-// and keys past the row when causal, take no softmax mass.
+// token: wait on `turn.mine` (fp16: before the maxima), signal `turn.next` (fp16: after P's first two words); see
+// the top of the file. MASKED: keys >= skv, and keys past the row when causal, take no softmax mass.
 template <bool MASKED, bool CAUSAL, bool PV16>
 __device__ __forceinline__ void softmax_block(int32_t (&s)[64], float c, float (&m)[2], float (&l)[2],
                                               float (&alpha)[2], uint32_t (&p)[PV16 ? 32 : 16], int col0, int r0,
@@ -273,7 +298,10 @@ __device__ __forceinline__ void softmax_block(int32_t (&s)[64], float c, float (
       }
     }
   }
-  int mx[2] = {INT_MIN, INT_MIN};
+  // fp16: the token is taken before the row maxima, which start from a shared load that follows the wait
+  if constexpr (PV16) bar_sync_256(turn.mine);
+  const int lowest = PV16 ? ld_shared_s32(turn.int_min) : INT_MIN;
+  int mx[2] = {lowest, lowest};
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
     mx[0] = max(mx[0], max(s[4 * j], s[4 * j + 1]));
@@ -285,17 +313,20 @@ __device__ __forceinline__ void softmax_block(int32_t (&s)[64], float c, float (
     mx[h] = max(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
     mx[h] = max(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
     const float block_max = mx[h] == INT_MIN ? -INFINITY : static_cast<float>(mx[h]) * c;
-    const float m_new = fmaxf(m[h], block_max);
+    float m_new = fmaxf(m[h], block_max);
+    if constexpr (PV16) m_new = m_new > m[h] + kLazyMaxLog2 ? m_new : m[h];  // -inf + 7 is -inf: the first block sets it
     const bool none = m_new == -INFINITY;  // no key of this row seen yet (not reachable: key 0 is in block 0)
-    alpha[h] = none ? 1.0f : ex2(m[h] - m_new);
+    alpha[h] = none || (PV16 && m_new == m[h]) ? 1.0f : ex2(m[h] - m_new);
     m[h] = m_new;
     shift[h] = none ? 0.0f : m_new - kLog2PScale;
   }
   // x = score * c - shift in one FFMA on the magic-biased float: the bias's share, kMagicFloat * c, is folded into
   // the offset, whose rounding (half an ulp of ~1.3e7 * c) shifts a whole row block's P and sum alike
-  const float offset[2] = {fmaf(kMagicFloat, c, shift[0]), fmaf(kMagicFloat, c, shift[1])};
-  bar_sync_256(turn.mine);
-  fence_regs(s);  // nothing of the exponentials is hoisted above the wait
+  float offset[2] = {fmaf(kMagicFloat, c, shift[0]), fmaf(kMagicFloat, c, shift[1])};
+  if constexpr (!PV16) {
+    bar_sync_256(turn.mine);
+    fence_regs(s);  // nothing of the exponentials is hoisted above the wait
+  }
   float sum[2] = {0.0f, 0.0f};
   // P for key j (of 16 groups of 8) and row half h, as two e4m3 bytes or an fp16 pair
   auto pair = [&](int j, int h) -> uint32_t {
@@ -310,8 +341,16 @@ __device__ __forceinline__ void softmax_block(int32_t (&s)[64], float c, float (
     return PV16 ? pack_f16x2(e[0], e[1]) : pack_e4m3x2(e[0], e[1]);
   };
   if constexpr (PV16) {
+    // the token moves on after P's first two words: the signal's barrier id depends on them (their sign bits are
+    // 0), and the other exponentials start from a shared load that follows it
+    p[0] = pair(0, 0);
+    p[1] = pair(0, 1);
+    if (turn.pass) bar_arrive_256(turn.next + static_cast<int>((p[0] | p[1]) >> 31));
+    const float zero = ld_shared_f32(turn.zero_f32);
+    offset[0] += zero;
+    offset[1] += zero;
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
+    for (int j = 1; j < 16; ++j) {
       p[2 * j] = pair(j, 0);
       p[2 * j + 1] = pair(j, 1);
     }
@@ -324,7 +363,7 @@ __device__ __forceinline__ void softmax_block(int32_t (&s)[64], float c, float (
       p[4 * kc + 3] = pair(4 * kc + 2, 1) | (pair(4 * kc + 3, 1) << 16);
     }
   }
-  if (turn.pass) {
+  if (!PV16 && turn.pass) {
     fence_regs(p);  // every exponential is done before the token moves on
     bar_arrive_256(turn.next);
   }
@@ -389,6 +428,10 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
       mbar_init(&sm.empty[i], 4 * NC);  // lane 0 of each consumer warp
     }
     mbar_init(&sm.q_full, 1);
+    if constexpr (PV16) {
+      sm.zero_f32 = 0.0f;
+      sm.int_min = INT_MIN;
+    }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
@@ -453,7 +496,8 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
     wgmma_wait<0>();
     fence_regs(s);
     const float c = q_scale * k_scale[j];
-    const Turn turn{1 + cw, 1 + (cw + 1) % NC, !(cw == NC - 1 && j == n_kv - 1)};
+    const Turn turn{1 + cw, 1 + (cw + 1) % NC, !(cw == NC - 1 && j == n_kv - 1), smem_u32(&sm.zero_f32),
+                    smem_u32(&sm.int_min)};
     if (j < n_plain) {
       softmax_block<false, CAUSAL, PV16>(s, c, m, l, alpha, p, j * kBlockN, r0, prm.skv, turn);
     } else {
@@ -461,8 +505,10 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
     }
     fence_regs(p);
     if constexpr (PV16) {
+      if (!__all_sync(0xffffffffu, alpha[0] == 1.0f && alpha[1] == 1.0f)) {  // warp-uniform
 #pragma unroll
-      for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
+        for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
+      }
       wgmma_fence();
       pv16_block<D>(o, p, smem_desc_mn16(sm.v[slot]));
       wgmma_commit();
