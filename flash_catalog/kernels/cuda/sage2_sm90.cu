@@ -48,10 +48,10 @@ namespace {
 constexpr int kBlockN = 128;       // keys per block
 constexpr float kLog2PScale = 8.807354922057604f;  // log2(448): P is scaled into e4m3's range
 constexpr int kMagicInt = 0x4B400000;               // bits of 1.5 * 2^23: int -> float with an add
+constexpr float kMagicFloat = 12582912.0f;
 // fp16 P.V: a row's running max is raised only when a block's max exceeds it by more than this (log2 units), so P
 // stays below 448 * 2^7 = 57344 (fp16's largest finite value is 65504) and O's rescale is rarely needed
 constexpr float kLazyMaxLog2 = 7.0f;
-constexpr float kMagicFloat = 12582912.0f;
 
 // ------------------------------------------------------------------------------------------------------------------
 // PTX wrappers
