@@ -118,6 +118,16 @@ def _rel_l2(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
+def _staged_for_the_kernel(q, k, v, scale, pv):
+    """The CUDA kernel's staging of q, k, v, and its Q and K dequantised in float64 with the padding cut: their dot
+    products are the scores the kernel sees (log2 domain: Q's scale carries scale * log2(e); K less its mean)."""
+    staged = quantize_qkv(q, k, v, sm_scale=scale, pv=pv, block_m=64, block_n=128, **sage2_cuda.staging_options(pv))
+    sq, skv = q.shape[2], k.shape[2]
+    q_staged = staged.q8.double()[:, :, :sq] * staged.q_scale.double().repeat_interleave(64, dim=-1)[..., :sq, None]
+    k_staged = staged.k8.double()[:, :, :skv] * staged.k_scale.double().repeat_interleave(128, dim=-1)[..., :skv, None]
+    return staged, q_staged, k_staged
+
+
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("pv", ["fp8", "fp16"])
@@ -163,10 +173,7 @@ def test_fp16_pv_keeps_a_rows_max_until_a_block_beats_it_by_7(rise):
     v = torch.randn(1, 2, skv, d, device="cuda", generator=g)
     q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
     out, lse = sage2_cuda.sage2_cuda_attention(q, k, v, scale=scale, pv="fp16", return_lse=True)
-    staged = quantize_qkv(q, k, v, sm_scale=scale, pv="fp16", block_m=64, block_n=128,
-                          **sage2_cuda.staging_options("fp16"))
-    q_staged = staged.q8.double()[:, :, :sq] * staged.q_scale.double().repeat_interleave(64, dim=-1)[..., :sq, None]
-    k_staged = staged.k8.double()[:, :, :skv] * staged.k_scale.double().repeat_interleave(128, dim=-1)[..., :skv, None]
+    staged, q_staged, k_staged = _staged_for_the_kernel(q, k, v, scale, "fp16")
     scores = torch.einsum("bhsd,bhtd->bhst", q_staged, k_staged) * math.log(2)  # natural units
     assert float(scores.amax(-1).mean() - scores[..., :128].amax(-1).mean()) > 7 * rise * math.log(2) - 1
     exact = torch.softmax(scores, dim=-1) @ v.double()
@@ -200,11 +207,8 @@ def test_log_sum_exp_for_ring_steps(b, hq, hkv, sq, skv, d, causal, pv):
 
     assert lse.shape == (b, hq, sq) and lse.dtype == torch.float32 and lse.is_contiguous()
     # against the scores of the staged INT8 operands (log2 domain, K less its mean): only the kernel's arithmetic
-    staged = quantize_qkv(q, k, v, sm_scale=scale, pv=pv, block_m=64, block_n=128,
-                          **sage2_cuda.staging_options(pv))
-    q_staged = staged.q8.double() * staged.q_scale.double().repeat_interleave(64, dim=-1)[..., None]
-    k_staged = staged.k8.double() * staged.k_scale.double().repeat_interleave(128, dim=-1)[..., None]
-    of_staged = log_sum_exp(q_staged[:, :, :sq] * math.log(2), k_staged[:, :, :skv])
+    staged, q_staged, k_staged = _staged_for_the_kernel(q, k, v, scale, pv)
+    of_staged = log_sum_exp(q_staged * math.log(2), k_staged)
     of_staged += scale * torch.einsum("bhsd,bhd->bhs", q.double(),
                                       staged.k_mean.double().repeat_interleave(hq // hkv, dim=1))
     assert (lse.double() - of_staged).abs().max() < 2e-3

@@ -486,7 +486,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
   if (cw == NC - 1) bar_arrive_256(1);
   // Per key block: Q.K^T, the softmax, then FP8 P.V into a fresh fp32 block and O = O * alpha + block, or O *= alpha
   // and fp16 P.V into O. The other consumers' MMAs fill the tensor cores while this one runs its exponentials
-  // (holding the token).
+  // (the token keeps the three softmaxes apart).
   for (int j = 0; j < n_kv; ++j) {
     const int slot = j % STAGES;
     mbar_wait(&sm.full[slot], (j / STAGES) & 1);
