@@ -11,6 +11,7 @@ if not torch.cuda.is_available():  # must precede any triton import: @triton.jit
 
 from flash_catalog.kernels.sage2_attention import (choose_kernel, quantize_qkv,  # noqa: E402
                                                    sage2_attention, sage2_attention_staged, staging_tiles_for)
+from flash_catalog.kernels.sage2_quant import STATS_PROGRAMS, staging_layout, stats_chunk  # noqa: E402
 from flash_catalog.kernels.sage2_reference import exact_attention, reference_quantize, sage2_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -141,6 +142,29 @@ def test_quantisation_staging_matches_emulation():
     emulated = sage2_reference(q, k, v, pv="fp8", block_m=16, block_n=SMALL_N, staged=own)
     torch.testing.assert_close(out.double(), emulated, rtol=1e-5, atol=1e-6)
 
+
+
+def test_key_statistics_over_several_chunks():
+    """700 keys: the K-mean / V-amax pass takes three 256-token chunks per head, and the per-head reduction of their
+    partials gives K's mean and V's per-channel scale as torch does."""
+    q, k, v = _inputs(sq=16, skv=700, d=64, dtype=torch.bfloat16, seed=9)
+    layout = staging_layout(q.shape, k.shape, pv="fp8", block_m=16, block_n=SMALL_N)
+    assert stats_chunk(700, 2) == 256 and layout["k_sum_partial"] == ((2, 3, 64), torch.float32)
+    st = quantize_qkv(q, k, v, pv="fp8", block_m=16, block_n=SMALL_N)
+    ref = reference_quantize(q, k, v, pv="fp8", block_m=16, block_n=SMALL_N)
+    torch.testing.assert_close(st.k_mean, ref["k_mean"], rtol=1e-5, atol=1e-6)
+    assert torch.equal(st.v_scale, ref["v_scale"])
+    assert torch.equal(st.v.view(torch.uint8), ref["vt8"].view(torch.uint8))
+    assert (st.k8.int() - ref["k8"].int()).abs().max() <= 1
+
+
+def test_statistics_chunks_shrink_only_where_programs_would_be_few():
+    """1024-token chunks where they make at least STATS_PROGRAMS programs (the long sequences), 256 below that."""
+    assert stats_chunk(16384, 32) == 1024 and stats_chunk(32760, 40) == 1024
+    assert stats_chunk(4096, 48) == 256 and stats_chunk(4096, 24) == 256
+    assert stats_chunk(1024 * STATS_PROGRAMS, 1) == 1024 and stats_chunk(1024 * STATS_PROGRAMS - 1024, 1) == 256
+    layout = staging_layout((2, 24, 4096, 64), (2, 24, 4096, 64), pv="fp8", block_m=64, block_n=128)
+    assert layout["k_sum_partial"][0] == (48, 16, 64) and layout["v_amax_partial"][0] == (48, 16, 64)
 
 def _bad(**overrides):
     q, k, v = _inputs(sq=8, skv=8, d=64)

@@ -20,15 +20,21 @@ LOG2E = 1.0 / math.log(2.0)
 PV_MODES = ("fp8", "fp16")
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
-STATS_CHUNK = 1024  # tokens per program in the K-mean / V-amax pass
-STATS_SUB = 64      # tokens per inner step of that pass
+STATS_SUB = 64  # tokens per inner step of the K-mean / V-amax pass
+STATS_PROGRAMS = 512  # fewer programs than this at 1024 tokens each leave SMs idle: chunks shrink to 256 tokens
+
+
+def stats_chunk(seq_kv: int, heads: int) -> int:
+    """Tokens per program of the K-mean / V-amax pass over `heads` (batch x kv heads) of `seq_kv` keys: 1024, or 256
+    where 1024-token chunks would make fewer than STATS_PROGRAMS programs, too few to keep the GPU's memory busy."""
+    return 1024 if heads * _cdiv(seq_kv, 1024) >= STATS_PROGRAMS else 256
 
 
 def interpreter_active() -> bool:
     """True when this module's kernels were built for Triton's CPU interpreter (TRITON_INTERPRET=1 at import).
 
     Decided by the kernel objects, not the environment: @triton.jit picks interpreter or compiler when it runs."""
-    return interpreted(_quant_int8_kernel)
+    return interpreted(_quant_kv_kernel)
 
 
 def _staging(key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
@@ -49,7 +55,7 @@ def staging_layout(q_shape: Sequence[int], k_shape: Sequence[int], *, pv: str, b
     hkv, skv = int(k_shape[1]), int(k_shape[2])
     sq_pad = max(_cdiv(sq, block_m), 1) * block_m
     skv_pad = _cdiv(skv, block_n) * block_n
-    n_chunks = _cdiv(skv, STATS_CHUNK)
+    n_chunks = _cdiv(skv, stats_chunk(skv, bsz * hkv))
     f32 = torch.float32
     layout = {"k_sum_partial": ((bsz * hkv, n_chunks, d), f32)}
     if pv == "fp8":
@@ -272,18 +278,17 @@ def _token_tile(T, b, h, rows, offs_d, stride_b, stride_h, stride_s, stride_d):
 
 
 @triton.jit
-def _quant_int8_kernel(X, MEAN, XQ, XS, V, V16,
-                       stride_xb, stride_xh, stride_xs, stride_xd,
-                       stride_vb, stride_vh, stride_vs, stride_vd,
-                       H, SEQ, SEQ_PAD, N_BLOCKS, scale_mult,
-                       BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, SUB_MEAN: tl.constexpr, COPY_V: tl.constexpr):
-    """One block of BLOCK tokens of one (batch, head): optional mean subtraction, then symmetric INT8 with one scale.
+def _quant_int8_block(X, MEAN, XQ, XS, V, V16, pid_m, pid_bh,
+                      stride_xb, stride_xh, stride_xs, stride_xd,
+                      stride_vb, stride_vh, stride_vs, stride_vd,
+                      H, SEQ, SEQ_PAD, N_BLOCKS, scale_mult,
+                      BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, SUB_MEAN: tl.constexpr, COPY_V: tl.constexpr):
+    """Block pid_m (BLOCK tokens) of (batch, head) pid_bh: optional mean subtraction, then symmetric INT8 with one
+    scale.
 
     Rows past SEQ are written as zeros (the attention kernel reads the padded buffer without masks); the stored
     scale is max|x|/127 * scale_mult (scale_mult folds the softmax scale and log2(e) into Q's scale). With COPY_V
-    (K's launch, Gluon fp16 P.V) the same rows of V are copied to the padded fp16 V16 in the same pass."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    (K's pass, Gluon fp16 P.V) the same rows of V are copied to the padded fp16 V16 in the same pass."""
     b = pid_bh // H
     h = pid_bh % H
     rows = pid_m * BLOCK + tl.arange(0, BLOCK)
@@ -309,18 +314,16 @@ def _quant_int8_kernel(X, MEAN, XQ, XS, V, V16,
 
 
 @triton.jit
-def _quant_v_fp8_kernel(V, VINV, VT8,
-                        stride_vb, stride_vh, stride_vs, stride_vd,
-                        H_KV, SEQ_KV, SEQ_PAD,
-                        BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr, INTERPRETED: tl.constexpr,
-                        MMA_ORDER: tl.constexpr):
-    """One block of BLOCK_T tokens of one (batch, kv head): per-channel FP8 e4m3, stored transposed as V^T[d, t].
+def _quant_v_fp8_block(V, VINV, VT8, pid_t, pid_bh,
+                       stride_vb, stride_vh, stride_vs, stride_vd,
+                       H_KV, SEQ_KV, SEQ_PAD,
+                       BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr, INTERPRETED: tl.constexpr,
+                       MMA_ORDER: tl.constexpr):
+    """Block pid_t (BLOCK_T tokens) of (batch, kv head) pid_bh: per-channel FP8 e4m3, stored transposed as V^T[d, t].
     MMA_ORDER: within every 32 tokens, token 8a + 2t + b goes to column 16(a >> 1) + 4t + 2(a & 1) + b, the k-index
     at which the CUDA kernel's FP8 MMA meets the P value its score registers hold for that token. The tokens are
     gathered in that order (whole rows) so that the stores stay contiguous: scattering the bytes on the store
     measured about ten times slower."""
-    pid_t = tl.program_id(0)
-    pid_bh = tl.program_id(1)
     b = pid_bh // H_KV
     h = pid_bh % H_KV
     cols = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -339,6 +342,36 @@ def _quant_v_fp8_kernel(V, VINV, VT8,
     yt = tl.trans(y.to(tl.float8e4nv))                                     # [HEAD_DIM, BLOCK_T]
     out = VT8 + pid_bh.to(tl.int64) * HEAD_DIM * SEQ_PAD + offs_d[:, None] * SEQ_PAD + cols[None, :]
     tl.store(out, yt)
+
+
+@triton.jit
+def _quant_q_kernel(Q, Q8, QS, stride_qb, stride_qh, stride_qs, stride_qd, HQ, SEQ_Q, SQ_PAD, N_QB, q_scale_mult,
+                    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Q's pass: one tile of BLOCK_M rows of one (batch, head) per program, INT8 with q_scale_mult folded into its
+    scale."""
+    _quant_int8_block(Q, Q, Q8, QS, Q, Q, tl.program_id(0), tl.program_id(1),
+                      stride_qb, stride_qh, stride_qs, stride_qd, stride_qb, stride_qh, stride_qs, stride_qd,
+                      HQ, SEQ_Q, SQ_PAD, N_QB, q_scale_mult, BLOCK_M, HEAD_DIM, False, False)
+
+
+@triton.jit
+def _quant_kv_kernel(K, KMEAN, K8, KS, V, V16, VINV, VT8,
+                     stride_kb, stride_kh, stride_ks, stride_kd,
+                     stride_vb, stride_vh, stride_vs, stride_vd,
+                     H_KV, SEQ_KV, SKV_PAD, N_KB,
+                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, COPY_V: tl.constexpr, V_FP8: tl.constexpr,
+                     INTERPRETED: tl.constexpr, MMA_ORDER: tl.constexpr):
+    """K's and V's pass: one tile of BLOCK_N tokens of one (batch, kv head) per program, K less its mean as INT8 and
+    the same tokens of V (V_FP8: per-channel e4m3 V^T; COPY_V: padded fp16). Q has its own launch: beside this
+    pass's registers and V's transpose its programs ran slower (measured at S=16k, D=128)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    _quant_int8_block(K, KMEAN, K8, KS, V, V16, pid_m, pid_bh,
+                      stride_kb, stride_kh, stride_ks, stride_kd, stride_vb, stride_vh, stride_vs, stride_vd,
+                      H_KV, SEQ_KV, SKV_PAD, N_KB, 1.0, BLOCK_N, HEAD_DIM, True, COPY_V)
+    if V_FP8:
+        _quant_v_fp8_block(V, VINV, VT8, pid_m, pid_bh, stride_vb, stride_vh, stride_vs, stride_vd,
+                           H_KV, SEQ_KV, SKV_PAD, BLOCK_N, HEAD_DIM, INTERPRETED, MMA_ORDER)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -383,13 +416,15 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale:
     exact = interpreter_active()
     with_v = pv == "fp8"
 
-    # 1) K mean and V per-channel amax: chunk partials, then a per-head reduction (deterministic, no atomics).
+    # Four launches. 1) K's and V's chunk statistics: partial sums of K and partial max|V| per channel.
     n_chunks = buf["k_sum_partial"].shape[1]
     ksum = buf["k_sum_partial"]
     vmax = buf["v_amax_partial"] if with_v else ksum
     _kv_stats_kernel[(n_chunks, bsz * hkv)](
         k, v, ksum, vmax, *k.stride(), *v.stride(), hkv, skv, n_chunks,
-        CHUNK=STATS_CHUNK, SUB=STATS_SUB, HEAD_DIM=d, WITH_V=with_v, num_warps=8)
+        CHUNK=stats_chunk(skv, bsz * hkv), SUB=STATS_SUB, HEAD_DIM=d, WITH_V=with_v, num_warps=8)
+
+    # 2) The per-head reduction of the partials (deterministic, no atomics): K's mean, V's scale and 1/scale.
     k_mean = buf["k_mean"]
     if with_v:
         v_scale, v_inv = buf["v_scale"], buf["v_inv"]
@@ -399,26 +434,23 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale:
         ksum, vmax, k_mean, v_scale, v_inv, n_chunks, skv,
         BLOCK_C=16, HEAD_DIM=d, WITH_V=with_v, INTERPRETED=exact, num_warps=4)
 
-    # 2) Q: per-block INT8, softmax scale * log2(e) folded into the scale.
+    # 3) Q: per-block INT8, softmax scale * log2(e) folded into the scale.
     q8, q_scale = buf["q8"], buf["q_scale"]
-    _quant_int8_kernel[(n_qb, bsz * hq)](
-        q, q, q8, q_scale, q, q, *q.stride(), *q.stride(), hq, sq, sq_pad, n_qb, float(sm_scale) * LOG2E,
-        BLOCK=block_m, HEAD_DIM=d, SUB_MEAN=False, COPY_V=False, num_warps=warps)
+    _quant_q_kernel[(n_qb, bsz * hq)](
+        q, q8, q_scale, *q.stride(), hq, sq, sq_pad, n_qb, float(sm_scale) * LOG2E,
+        BLOCK_M=block_m, HEAD_DIM=d, num_warps=warps)
 
-    # 3) K: subtract the token mean (softmax is invariant to it), per-block INT8; with v_fp16, V's fp16 copy too.
+    # 4) K less its token mean (softmax is invariant to it), per-block INT8, with the same tokens of V: per-channel
+    #    FP8 e4m3 staged as V^T (the K-major B operand of the P.V MMA), or with v_fp16 a padded fp16 copy (fp16 mode
+    #    otherwise reads V as it is: the Triton kernel).
     k8, k_scale = buf["k8"], buf["k_scale"]
     v16 = buf["v16"] if v_fp16 else k8
-    _quant_int8_kernel[(n_kb, bsz * hkv)](
-        k, k_mean, k8, k_scale, v, v16, *k.stride(), *v.stride(), hkv, skv, skv_pad, n_kb, 1.0,
-        BLOCK=block_n, HEAD_DIM=d, SUB_MEAN=True, COPY_V=v_fp16, num_warps=warps)
-
-    # 4) V: per-channel FP8 e4m3, staged as V^T (K-major B operand of the P.V MMA); fp16 mode reads V directly
-    #    (the Triton kernel) or its fp16 copy from step 3 (v_fp16, the Gluon kernel).
+    vt8 = buf["vt8"] if with_v else k8
+    _quant_kv_kernel[(n_kb, bsz * hkv)](
+        k, k_mean, k8, k_scale, v, v16, v_inv, vt8, *k.stride(), *v.stride(), hkv, skv, skv_pad, n_kb,
+        BLOCK_N=block_n, HEAD_DIM=d, COPY_V=v_fp16, V_FP8=with_v, INTERPRETED=exact, MMA_ORDER=v_mma_order,
+        num_warps=warps)
     if with_v:
-        vt8 = buf["vt8"]
-        _quant_v_fp8_kernel[(n_kb, bsz * hkv)](
-            v, v_inv, vt8, *v.stride(), hkv, skv, skv_pad,
-            BLOCK_T=block_n, HEAD_DIM=d, INTERPRETED=exact, MMA_ORDER=v_mma_order, num_warps=warps)
         v_out, v_scale_out = vt8, v_scale
     elif v_fp16:
         v_out, v_scale_out = v16, None
