@@ -7,9 +7,12 @@ kernel for both P.V modes (what kernel "auto" runs on sm_90 for D128, not causal
 (`sage2_cuda`, both P.V modes; built with nvcc at first use), each timed with
 `triton.testing.do_bench` (median), plus the quantisation kernels alone (`quantize_qkv`) to give their share.
 Accuracy: cosine and relative L2 error against an fp32 SDPA reference. TFLOP/s counts 4*B*H*Sq*Skv*D (halved
-with --causal).
+with --causal). With --graph, the host and the CUDA kernel's full path are also timed replayed from a CUDA graph:
+the GPU's time for the whole call without the host's launch time, which a GPU kept busy by the rest of a model
+hides as well (at short sequences the several quantisation launches make the plain timing host-bound).
 
-    python tools/bench_sage.py [--json out.json] [--sweep] [--causal] [--gluon] [--cuda] [--shapes 1x32x24576x128,...]
+    python tools/bench_sage.py [--json out.json] [--sweep] [--causal] [--gluon] [--cuda] [--graph]
+                               [--shapes 1x32x24576x128,...]
 """
 
 from __future__ import annotations
@@ -68,6 +71,22 @@ def bench(fn, warmup: int, rep: int) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
+def graphed_ms(fn, warmup: int, rep: int) -> float:
+    """Median ms of `fn` captured in a CUDA graph and replayed (warmed up on a side stream first, as capture needs)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    ms = bench(graph.replay, warmup, rep)
+    del graph
+    return ms
+
+
 def gluon_rows(q, k, v, host_fn, host_ms, row, warmup: int, rep: int, sweep: bool) -> list[dict]:
     """The Hopper Gluon kernel (non-causal), P.V in fp8 and in fp16: full path (quantisation included)
     and kernel alone; rel_l2_vs_triton compares with the Triton kernel on the same staging (same algorithm)."""
@@ -101,9 +120,11 @@ def gluon_rows(q, k, v, host_fn, host_ms, row, warmup: int, rep: int, sweep: boo
     return rows
 
 
-def cuda_rows(q, k, v, causal, host_fn, host_ms, row, warmup: int, rep: int) -> list[dict]:
+def cuda_rows(q, k, v, causal, host_fn, host_ms, row, warmup: int, rep: int,
+              host_graph_ms: float | None = None) -> list[dict]:
     """The CUDA C++ kernel, fp8 and fp16 P.V: full path (quantisation included) and kernel alone; rel_l2_vs_triton
-    compares with the Triton kernel (same algorithm, its own staging)."""
+    compares with the Triton kernel (same algorithm, its own staging). With `host_graph_ms`, the full path replayed
+    from a CUDA graph too, against the host's replay."""
     from flash_catalog.kernels import sage2_cuda
     rows = []
     for pv in ("fp8", "fp16"):
@@ -121,17 +142,22 @@ def cuda_rows(q, k, v, causal, host_fn, host_ms, row, warmup: int, rep: int) -> 
         kernel_ms = bench(lambda: sage2_cuda.sage2_cuda_staged(staged, out_dtype=q.dtype, is_causal=causal),
                           warmup, rep)
         cfg = {"block_m": 192, "block_n": bn, "num_warps": 16, "num_stages": 4 if q.shape[-1] == 128 else 6}
+        graph = {}
+        if host_graph_ms is not None:
+            graph_ms = graphed_ms(fn, warmup, rep)
+            graph = {"graph_ms": graph_ms, "graph_ratio_vs_host": host_graph_ms / graph_ms}
         rows.append(row(impl, ms, out, config=cfg, kernel_ms=kernel_ms, quant_ms=ms - kernel_ms,
                         quant_share=(ms - kernel_ms) / ms, ratio_vs_host=host_ms / ms,
                         rel_l2_vs_triton=accuracy(out, triton_out.float())["rel_l2"],
-                        gate_ratio=paired_speedup(host_fn, fn, q.device).speedup))
+                        gate_ratio=paired_speedup(host_fn, fn, q.device).speedup, **graph))
         del out, staged, triton_out
         torch.cuda.empty_cache()
     return rows
 
 
 def run_shape(shape, *, causal: bool, sweep: bool, warmup: int, rep: int, gluon: bool = False,
-              triton_rows: bool = True, layout: str = "bhsd", gate: bool = False, cuda: bool = False) -> list[dict]:
+              triton_rows: bool = True, layout: str = "bhsd", gate: bool = False, cuda: bool = False,
+              graph: bool = False) -> list[dict]:
     b, h, s, d = shape
     flops = 4.0 * b * h * s * s * d * (0.5 if causal else 1.0)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -157,7 +183,8 @@ def run_shape(shape, *, causal: bool, sweep: bool, warmup: int, rep: int, gluon:
         host_fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
         host_out = host_fn()
         host_ms = bench(host_fn, warmup, rep)
-        rows.append(row("host sdpa", host_ms, host_out))
+        host_graph_ms = graphed_ms(host_fn, warmup, rep) if graph else None
+        rows.append(row("host sdpa", host_ms, host_out, **({"graph_ms": host_graph_ms} if graph else {})))
         del host_out
         if gate:  # the catalog's own gate: paired, alternating CUDA-event timing without cache flushes
             auto = lambda: sage2_attention(q, k, v, pv="fp8", is_causal=causal)  # noqa: E731
@@ -187,7 +214,7 @@ def run_shape(shape, *, causal: bool, sweep: bool, warmup: int, rep: int, gluon:
         if gluon and not causal:
             rows += gluon_rows(q, k, v, host_fn, host_ms, row, warmup, rep, sweep)
         if cuda:
-            rows += cuda_rows(q, k, v, causal, host_fn, host_ms, row, warmup, rep)
+            rows += cuda_rows(q, k, v, causal, host_fn, host_ms, row, warmup, rep, host_graph_ms)
     if sweep:  # mark the fastest config per implementation
         for impl in ("sage2 fp8", "sage2 fp16", "gluon fp8", "gluon fp16", "cuda fp8", "cuda fp16"):
             ok = [r for r in rows if r["impl"] == impl and "error" not in r]
@@ -204,7 +231,7 @@ def fmt(x, spec: str) -> str:
 
 def print_table(rows: list[dict]) -> None:
     head = (f"{'shape':<24} {'impl':<15} {'config (bm,bn,w,s)':<22} {'ms':>9} {'TFLOP/s':>8} {'vs host':>8} "
-            f"{'gate':>6} {'cos':>9} {'rel_l2':>8} {'quant ms':>9} {'quant %':>8}")
+            f"{'gate':>6} {'cos':>9} {'rel_l2':>8} {'quant ms':>9} {'quant %':>8} {'graph ms':>9} {'x graph':>8}")
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -218,7 +245,8 @@ def print_table(rows: list[dict]) -> None:
               f"{fmt(r.get('ratio_vs_host'), '8.3f')} {fmt(r.get('gate_ratio'), '6.3f')} {fmt(r.get('cos'), '9.6f')} "
               f"{fmt(r.get('rel_l2'), '8.1e')} "
               f"{fmt(r.get('quant_ms'), '9.3f')} "
-              f"{fmt(100 * r['quant_share'] if 'quant_share' in r else None, '7.1f')}"
+              f"{fmt(100 * r['quant_share'] if 'quant_share' in r else None, '7.1f')} "
+              f"{fmt(r.get('graph_ms'), '9.3f')} {fmt(r.get('graph_ratio_vs_host'), '8.3f')}"
               + (f"  ERROR {r['error']}" if "error" in r else ""))
 
 
@@ -233,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cuda", action="store_true",
                     help="also the CUDA C++ kernel (fp8 and fp16 P.V, sm_90; built with nvcc at first use)")
     ap.add_argument("--no-triton", action="store_true", help="skip the Triton-language kernels")
+    ap.add_argument("--graph", action="store_true",
+                    help="also time the host and the CUDA kernel's full path replayed from a CUDA graph (GPU time "
+                         "without host launch time)")
     ap.add_argument("--gate", action="store_true",
                     help="also time sage2 fp8 (kernel auto) against the host with the catalog's paired gate timer")
     ap.add_argument("--layout", choices=("bhsd", "bshd"), default="bhsd",
@@ -252,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     for shape in args.shapes:
         rows += run_shape(shape, causal=args.causal, sweep=args.sweep, warmup=args.warmup, rep=args.rep,
                           gluon=args.gluon, triton_rows=not args.no_triton, layout=args.layout, gate=args.gate,
-                          cuda=args.cuda)
+                          cuda=args.cuda, graph=args.graph)
         print_table([r for r in rows if r["shape"] == rows[-1]["shape"]])
         print()
     print("summary")
