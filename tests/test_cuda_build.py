@@ -53,7 +53,7 @@ def test_find_nvcc_looks_in_order_and_the_pin_is_the_only_place_looked(tmp_path,
 def test_the_pip_nvcc_is_found_through_the_nvidia_namespace_package(tmp_path, monkeypatch):
     wheel_nvcc = _fake_nvcc(tmp_path / "site" / "nvidia" / "cu13" / "bin")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    assert wheel_nvcc in cuda_build._pip_nvccs()
+    assert wheel_nvcc in cuda_build._pip_cuda_tools("nvcc")
 
 
 def test_no_nvcc_is_refused_naming_the_fix(tmp_path, monkeypatch):

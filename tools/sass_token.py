@@ -6,7 +6,8 @@ compiler's choice, and an edit anywhere near the softmax can move it and the spe
 session). Run this after such an edit, before timing: for every token wait (`BAR.SYNC` on a named barrier) and the
 signal after it (`BAR.ARV`), it counts the row-maxima instructions (integer max) before and after the wait, and the
 exponentials (`MUFU.EX2`) and packs (`F2FP`) before and after the signal. Runs on any machine with nvcc and
-cuobjdump (on PATH, in $CUDA_HOME/bin, or `pip install nvidia-cuda-cuobjdump`); no GPU.
+cuobjdump (where the build looks for nvcc: $CUDA_HOME/bin, PATH, /usr/local/cuda/bin, or `pip install
+nvidia-cuda-cuobjdump`); no GPU.
 
     python tools/sass_token.py [--library PATH] [--json out.json]
 """
@@ -18,7 +19,6 @@ import importlib.util
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from flash_catalog.kernels.cuda_build import find_cuda_tool  # noqa: E402
 
 _INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
 _KERNEL = re.compile(r"sage2_sm90_kernelILi(\d+)ELi\d+ELi\d+ELb([01])ELb([01])E")
@@ -47,14 +49,14 @@ class TokenPlace:
 
 
 def find_cuobjdump() -> Path | None:
-    """cuobjdump on PATH, in $CUDA_HOME/bin or $CUDA_PATH/bin, or from the nvidia-cuda-cuobjdump wheel."""
-    found = shutil.which("cuobjdump")
-    candidates = [Path(found)] if found else []
-    candidates += [Path(os.environ[n]) / "bin" / "cuobjdump" for n in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(n)]
+    """cuobjdump where the build looks for nvcc (`find_cuda_tool`), or from a CUDA 12 nvidia-cuda-cuobjdump wheel."""
+    found = find_cuda_tool("cuobjdump")
+    if found is not None:
+        return found
     spec = importlib.util.find_spec("nvidia")
-    for root in (spec.submodule_search_locations or []) if spec is not None else []:
-        candidates += [Path(root) / "cu13" / "bin" / "cuobjdump", Path(root) / "cuda_cuobjdump" / "bin" / "cuobjdump"]
-    return next((c for c in candidates if c.is_file() and os.access(c, os.X_OK)), None)
+    roots = (spec.submodule_search_locations or []) if spec is not None else []
+    cuda12 = [Path(root) / "cuda_cuobjdump" / "bin" / "cuobjdump" for root in roots]
+    return next((c for c in cuda12 if c.is_file() and os.access(c, os.X_OK)), None)
 
 
 def kernel_name(mangled: str) -> str | None:
@@ -119,7 +121,7 @@ def main() -> None:
     args = parser.parse_args()
     cuobjdump = find_cuobjdump()
     if cuobjdump is None:
-        sys.exit("no cuobjdump found (PATH, $CUDA_HOME/bin, $CUDA_PATH/bin, nvidia-cuda-cuobjdump); "
+        sys.exit("no cuobjdump found ($CUDA_HOME/bin, $CUDA_PATH/bin, PATH, /usr/local/cuda/bin, the nvidia wheels); "
                  "pip install nvidia-cuda-cuobjdump")
     library = args.library
     if library is None:

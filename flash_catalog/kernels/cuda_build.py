@@ -79,11 +79,17 @@ def find_nvcc() -> Path | None:
     pinned = os.environ.get("FLASH_CATALOG_NVCC")
     if pinned is not None:
         return Path(pinned) if pinned and _is_executable(Path(pinned)) else None
-    homes = [os.environ.get(name) for name in ("CUDA_HOME", "CUDA_PATH")]
-    candidates = [Path(home) / "bin" / "nvcc" for home in homes if home]
-    on_path = shutil.which("nvcc")
+    return find_cuda_tool("nvcc")
+
+
+def find_cuda_tool(name: str) -> Path | None:
+    """A CUDA toolkit program (`nvcc`, `cuobjdump`, ...): the first executable one in `$CUDA_HOME/bin`,
+    `$CUDA_PATH/bin`, on PATH, in `/usr/local/cuda/bin`, or from NVIDIA's CUDA 13 pip wheels; None where none is."""
+    homes = [os.environ.get(home) for home in ("CUDA_HOME", "CUDA_PATH")]
+    candidates = [Path(home) / "bin" / name for home in homes if home]
+    on_path = shutil.which(name)
     candidates += [Path(on_path)] if on_path else []
-    candidates += [Path("/usr/local/cuda/bin/nvcc"), *_pip_nvccs()]
+    candidates += [Path("/usr/local/cuda/bin") / name, *_pip_cuda_tools(name)]
     return next((c for c in candidates if _is_executable(c)), None)
 
 
@@ -220,12 +226,13 @@ def _command(nvcc: Path, source: Path, arch: str, extra_flags: tuple[str, ...]) 
     return [str(nvcc), *FLAGS, f"-gencode=arch={compute},code={arch}", *extra_flags, str(source)]
 
 
-def _pip_nvccs() -> list[Path]:
-    """nvcc from the `nvidia-cuda-nvcc` wheel (CUDA 13: `nvidia/cu13/bin`; it shares `nvidia/cu13` with the runtime
-    and CCCL wheels, which nvcc's own profile searches). The CUDA 12 wheels ship ptxas but no nvcc."""
+def _pip_cuda_tools(name: str) -> list[Path]:
+    """Program `name` from NVIDIA's CUDA 13 wheels, e.g. `nvidia-cuda-nvcc` (`nvidia/cu13/bin`; it shares
+    `nvidia/cu13` with the runtime and CCCL wheels, which nvcc's own profile searches). The CUDA 12 wheels ship
+    ptxas but no nvcc."""
     spec = importlib.util.find_spec("nvidia")
     roots = (spec.submodule_search_locations or []) if spec is not None else []
-    return [Path(root) / "cu13" / "bin" / "nvcc" for root in roots]
+    return [Path(root) / "cu13" / "bin" / name for root in roots]
 
 
 def _no_nvcc_reason() -> str:
