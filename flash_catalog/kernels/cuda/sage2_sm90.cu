@@ -276,11 +276,11 @@ struct SharedStorage {
 // Online softmax of one 64 x 128 score block held as the wgmma accumulator (thread: rows r0, r0 + 8; keys
 // 8*j + 2t + {0, 1} for j < 16). Scores are exact int32 dot products; `c` = q_scale * k_scale turns them into the
 // log2 domain. P leaves scaled by 448 (PV16: up to 448 * 2^kLazyMaxLog2 against a kept max), as e4m3 in the FP8
-// wgmma's A-register order or (PV16) as fp16 pairs in the
-// score order, which is the fp16 wgmma's A-register order; `l` gets this thread's part of
-// the row sums of the fp32 P (the quad's parts are added at the end); `alpha` rescales the rows' earlier sums. The
-// token: wait on `turn.mine` (fp16: before the maxima), signal `turn.next` (fp16: after P's first two words); see
-// the top of the file. MASKED: keys >= skv, and keys past the row when causal, take no softmax mass.
+// wgmma's A-register order or (PV16) as fp16 pairs in the score order, which is the fp16 wgmma's A-register order;
+// `l` gets this thread's part of the row sums of the fp32 P (the quad's parts are added at the end); `alpha`
+// rescales the rows' earlier sums. The token: wait on `turn.mine` (fp16: before the maxima), signal `turn.next`
+// (fp16: after P's first two words); see the top of the file. MASKED: keys >= skv, and keys past the row when
+// causal, take no softmax mass.
 template <bool MASKED, bool CAUSAL, bool PV16>
 __device__ __forceinline__ void softmax_block(int32_t (&s)[64], float c, float (&m)[2], float (&l)[2],
                                               float (&alpha)[2], uint32_t (&p)[PV16 ? 32 : 16], int col0, int r0,
@@ -405,7 +405,7 @@ __device__ __forceinline__ void pv16_block(float (&o)[D / 2], const uint32_t (&p
 template <int D, int NC, int STAGES, bool CAUSAL, bool PV16>
 __global__ void __launch_bounds__(128 * (NC + 1), 1)
     sage2_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
-                          const __grid_constant__ CUtensorMap tm_v, const Params prm) {
+                      const __grid_constant__ CUtensorMap tm_v, const Params prm) {
   constexpr int kRows = 64 * NC;  // query rows of one CTA
   extern __shared__ uint8_t smem_raw[];
   using Smem = SharedStorage<D, NC, STAGES, PV16>;
@@ -647,9 +647,9 @@ const char* fc_sage2_sm90_error() { return g_error; }
 // Attention on quantize_qkv staging (block_m=64, block_n=128): q8 (B, Hq, sq_pad, D) int8, k8 (B, Hkv, skv_pad, D)
 // int8, and v: with pv_fp16 = 0 (pv="fp8", v_mma_order=True) V^T (B, Hkv, D, skv_pad) e4m3 with v_scale
 // (B, Hkv, D), with pv_fp16 = 1 (pv="fp16", v_fp16=True) V (B, Hkv, skv_pad, D) fp16 and no v_scale (null); all
-// contiguous; out (B, Hq, sq, D) fp16 or
-// bf16 with unit stride along D; lse, where not null, (B, Hq, sq) float32 gets each row's natural log-sum-exp of the
-// scaled scores against K less its token mean (the caller adds scale * q . mean(K) back).
+// contiguous; out (B, Hq, sq, D) fp16 or bf16 with unit stride along D; lse, where not null, (B, Hq, sq) float32
+// gets each row's natural log-sum-exp of the scaled scores against K less its token mean (the caller adds
+// scale * q . mean(K) back).
 // Returns 0, or a nonzero code with fc_sage2_sm90_error() saying why.
 int fc_sage2_sm90(const void* q8, const void* k8, const void* v, const float* q_scale, const float* k_scale,
                   const float* v_scale, void* out, float* lse, int out_bf16, int batch, int hq, int hkv, int sq,
