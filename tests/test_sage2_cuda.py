@@ -276,4 +276,3 @@ def test_tensors_on_another_device_than_the_current_one():
     with torch.cuda.device(0):  # the current device stays 0; the tensors live on cuda:1
         on1 = sage2_cuda.sage2_cuda_attention(q.to("cuda:1"), q.to("cuda:1"), q.to("cuda:1"))
     assert on1.device == torch.device("cuda:1") and torch.equal(on1.cpu(), on0.cpu())
-

@@ -143,7 +143,6 @@ def test_quantisation_staging_matches_emulation():
     torch.testing.assert_close(out.double(), emulated, rtol=1e-5, atol=1e-6)
 
 
-
 def test_key_statistics_over_several_chunks():
     """700 keys: the K-mean / V-amax pass takes three 256-token chunks per head, and the per-head reduction of their
     partials gives K's mean and V's per-channel scale as torch does."""
@@ -165,6 +164,7 @@ def test_statistics_chunks_shrink_only_where_programs_would_be_few():
     assert stats_chunk(1024 * STATS_PROGRAMS, 1) == 1024 and stats_chunk(1024 * STATS_PROGRAMS - 1024, 1) == 256
     layout = staging_layout((2, 24, 4096, 64), (2, 24, 4096, 64), pv="fp8", block_m=64, block_n=128)
     assert layout["k_sum_partial"][0] == (48, 16, 64) and layout["v_amax_partial"][0] == (48, 16, 64)
+
 
 def _bad(**overrides):
     q, k, v = _inputs(sq=8, skv=8, d=64)
