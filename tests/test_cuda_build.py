@@ -76,6 +76,23 @@ def test_no_nvcc_is_refused_naming_the_fix(tmp_path, monkeypatch):
     assert build.status is BuildStatus.NO_NVCC and "printed no version" in build.refusal()
 
 
+def test_a_source_path_is_resolved_once_per_spelling(tmp_path, monkeypatch):
+    source = tmp_path / "probe.cu"
+    source.write_text(PROBE % 1)
+    link = tmp_path / "link.cu"
+    link.symlink_to(source)
+    monkeypatch.setenv("FLASH_CATALOG_NVCC", "")  # nothing compiles: the refusal is memoised like a build
+    first = load_library(source)
+    assert "FLASH_CATALOG_NVCC is set empty" in first.refusal()
+    assert load_library(str(source)) is first and load_library(link) is first  # one file, one result
+    with monkeypatch.context() as patch:  # a form asks on every call: no file-system call after the first
+        patch.setattr(Path, "resolve", lambda *a, **k: pytest.fail("resolved a source path again"))
+        assert load_library(source) is first and load_library(str(link)) is first
+    forget_builds()
+    monkeypatch.setenv("FLASH_CATALOG_NVCC", str(_fake_nvcc(tmp_path / "fake", "not a compiler")))
+    assert "printed no version" in load_library(source).refusal()  # forgotten: asked again
+
+
 def test_an_nvcc_without_the_cuda_headers_is_refused_as_such(tmp_path, monkeypatch):
     nvcc = tmp_path / "bin" / "nvcc"  # answers --version like nvcc 13.0, fails everything else like a headerless one
     nvcc.parent.mkdir()
