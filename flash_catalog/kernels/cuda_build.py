@@ -124,8 +124,8 @@ def arch_refusal(device_capability: tuple[int, int], arch: str = "sm_90a") -> st
 def load_library(source: Path, *, arch: str = "sm_90a", extra_flags: tuple[str, ...] = ()) -> CudaBuild:
     """`source` compiled for `arch` (from the cache when built before) and loaded; never raises for a missing or
     failing toolchain: the returned CudaBuild says why there is no library. Memoised per process (see
-    `forget_builds`), also on `source` as given: a CUDA form asks on every call, and resolving the path each time
-    took tens of microseconds of file-system calls."""
+    `forget_builds`), also on `source` as given: a CUDA form asks on every call, and resolving the path is
+    file-system calls."""
     return _load_as_given(source if isinstance(source, Path) else Path(source), arch, tuple(extra_flags))
 
 
