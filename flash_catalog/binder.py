@@ -31,6 +31,7 @@ from .kernels.staging import StagingPool
 from .pipelines import denoisers
 from .plan import AttachTimings, Plan, ShapeRecord, SiteRecord
 from .profiles import get_profile
+from .stance import CalibrationStance
 from .reuse import SavedDecisions, load_receipt
 
 log = logging.getLogger("flash_catalog")
@@ -114,8 +115,10 @@ def attach(model: nn.Module | Any, example: Example, *, attention_forms: Sequenc
     started = time.perf_counter()
     router = AttentionRouter()
     routes = RouteTable()
+    stance = CalibrationStance.now()  # the host runs eager during calibration, the forms in this stance
     calibration = Calibration(forms, ffn_forms_built, options, routes, staging,
-                              Progress(None if adapter.discovered else len(modules) + len(ffn_modules)), saved)
+                              Progress(None if adapter.discovered else len(modules) + len(ffn_modules)), stance,
+                              saved)
     router.capture = calibration.meet_attention
     installation = _installation(adapter, router, modules)
     ffn_sites = [FfnSite(path, module, not keep_host_on_device, calibration.meet_ffn)
@@ -128,7 +131,7 @@ def attach(model: nn.Module | Any, example: Example, *, attention_forms: Sequenc
             site.install()
         stage = "running the example (calibration call)"
         calibration_started = time.perf_counter()
-        with torch.no_grad(), _eager():
+        with torch.no_grad(), stance.host():
             run_example()
         calibration_s = time.perf_counter() - calibration_started
         stage = "binding the plan"
@@ -237,18 +240,6 @@ def _installation(adapter, router: AttentionRouter, modules: dict[str, nn.Module
             stand_in = router.framing(original) if t.kind == "frame" else router.replacement(original, t.signature)
         patches.append(GlobalPatch(t.namespace, t.name, original, stand_in))
     return Installation(router, patches, modules, hooks=adapter.hooks)
-
-
-@contextlib.contextmanager
-def _eager() -> Iterator[None]:
-    """Calibration runs eagerly even where the user compiled the model first (regional or whole): the compiled
-    graphs are the host's, and deciding shapes needs Python at every call. The stance is scoped to the call."""
-    set_stance = getattr(torch.compiler, "set_stance", None)
-    if set_stance is None:
-        yield
-        return
-    with set_stance("force_eager"):
-        yield
 
 
 def _refuse_attached(model: nn.Module) -> None:

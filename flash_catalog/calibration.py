@@ -6,6 +6,7 @@ weights) from then on; an attention site's route is added to its slot, used once
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import time
@@ -17,9 +18,9 @@ from torch import nn
 
 from . import receipts
 from .adapters.ffn import FfnKey, FfnSite, ffn_key
-from .adapters.routes import Alternative, RouteTable
-from .adapters.router import SiteSlot
-from .calls import AttentionCall, ShapeKey, StaticKey, dims, dtype_name
+from .adapters.router import Rehearsal, SiteSlot
+from .adapters.routes import Alternative, RouteTable, unlisted_route
+from .calls import AttentionCall, Output, ShapeKey, StaticKey, dims, dtype_name
 from .decide import AttachClock, Built, Contender, Decision, GateOptions, TimingCache, Trial, decide
 from .forms.base import AttentionForm, Runner
 from .forms.ffn_base import FfnForm
@@ -29,6 +30,7 @@ from .memory import module_tensors, tensor_bytes
 from .plan import ShapeRecord
 from .qualify import envelope_rule, tensor_rule
 from .reuse import SavedDecisions
+from .stance import CalibrationStance
 
 log = logging.getLogger("flash_catalog")
 
@@ -58,14 +60,18 @@ def ffn_key_fields(module: nn.Module, key: FfnKey) -> dict[str, Any]:
     return {"x": list(shape), "dtype": dtype_name(dtype), "device": device.type, "module": architecture}
 
 
-def attention_contender(form: AttentionForm, site: str, call: AttentionCall) -> Contender:
-    """An attention form at one captured call: its envelope (then its own narrowing rule), and its runner."""
+def attention_contender(form: AttentionForm, site: str, call: AttentionCall,
+                        rehearse: Callable[[Runner, tuple[int, ...]], Callable[[], Output]] | None = None
+                        ) -> Contender:
+    """An attention form at one captured call: its envelope (then its own narrowing rule), and its runner.
+    `rehearse(runner, layout)` makes the routed call the gate times (None: the runner alone is timed)."""
     spec = form.spec
     rule = envelope_rule(spec.envelope, call, getattr(form, "allow_emulation", False)) or form.rule(call)
 
     def build() -> Built:
         runner = form.runner(call)
-        return Built(lambda: call.to_host_layout(runner(call)), runner, runner.detail)
+        routed = None if rehearse is None else functools.partial(rehearse, runner)
+        return Built(lambda: call.to_host_layout(runner(call)), runner, runner.detail, routed)
 
     return Contender(spec, rule, build, (spec.name, call.shape_key() if spec.latency.per_shape else site))
 
@@ -93,6 +99,7 @@ class Calibration:
     routes: RouteTable
     staging: StagingPool
     progress: Progress
+    stance: CalibrationStance  # decisions run in the user's stance, not the calibration call's force_eager
     saved: SavedDecisions | None = None  # a receipt given to attach: its timings seed `timings`
     timings: TimingCache = field(default_factory=TimingCache)
     clock: AttachClock = field(default_factory=AttachClock)
@@ -106,7 +113,8 @@ class Calibration:
 
     # -- attention: the router's capture ---------------------------------------------------------------------
     def meet_attention(self, slot: SiteSlot, ordinal: int, call: AttentionCall | None, problem: str | None,
-                       original: Callable[..., torch.Tensor], args: tuple, kwargs: dict) -> torch.Tensor:
+                       original: Callable[..., torch.Tensor], args: tuple, kwargs: dict,
+                       rehearsal: Rehearsal) -> torch.Tensor:
         def host() -> torch.Tensor:
             return original(*args, **kwargs)
 
@@ -128,24 +136,35 @@ class Calibration:
             record.reason = receipts.NO_FORMS.format(family="attention")
             return host()
         shape = f"q={dims(call.host_shape(call.query))}"
+
+        def rehearse(runner: Runner, layout: tuple[int, ...]) -> Callable[[], Output]:
+            alternatives = (*self._alternatives.get((slot.path, ordinal, call.static_key()), ()),
+                            self._alternative(call, runner))
+            return rehearsal(unlisted_route(call.static_key(), original, call.static, alternatives, layout))
+
         decision = self._decide(site, record, shape, call.query.device, host,
-                                [attention_contender(form, site, call) for form in self.attention_forms])
+                                [attention_contender(form, site, call, rehearse) for form in self.attention_forms])
         if decision.winner is not None:
             self._route(slot, ordinal, call, original, decision.winner.built.product, decision.winner.layout)
         self.staging.keep_only(self.staging_keys())
         return decision.host_out
 
+    def _alternative(self, call: AttentionCall, runner: Runner) -> Alternative:
+        """The bound form for the call's mask structure, with the mask check (one per static key and structure)."""
+        check = None
+        if call.attn_mask is not None:
+            static = call.static_key()
+            check = self._checks.get((static, call.mask))
+            if check is None:
+                check = self._checks[(static, call.mask)] = MaskCheck.of(call.attn_mask, call.mask)
+        return Alternative(call.mask, check, runner)
+
     def _route(self, slot: SiteSlot, ordinal: int, call: AttentionCall, original: Callable[..., torch.Tensor],
                runner: Runner, layout: tuple[int, ...]) -> None:
         """Add the bound form to the site's route for the call's static key (one alternative per mask structure)."""
         static = call.static_key()
-        check = None
-        if call.attn_mask is not None:
-            check = self._checks.get((static, call.mask))
-            if check is None:
-                check = self._checks[(static, call.mask)] = MaskCheck.of(call.attn_mask, call.mask)
         alternatives = self._alternatives.setdefault((slot.path, ordinal, static), [])
-        alternatives.append(Alternative(call.mask, check, runner))
+        alternatives.append(self._alternative(call, runner))
         slot.table(ordinal)[static] = self.routes.intern(static, original, call.static, tuple(alternatives), layout)
         self.bound_keys.add(call.shape_key())
 
@@ -199,8 +218,9 @@ class Calibration:
         offer = self.saved.offer(site, record.key, contenders) if self.saved is not None else None
         if offer is not None:
             offer.seed(self.timings)
-        decision = decide(Trial(site, shape, device, host), contenders, self.options, self.timings, self.clock,
-                          record)
+        with self.stance.forms():
+            decision = decide(Trial(site, shape, device, host), contenders, self.options, self.timings, self.clock,
+                              record)
         if offer is not None:
             used = [c for c in contenders if c.name in record.timings]
             record.basis, record.basis_reason = offer.basis(

@@ -11,7 +11,7 @@ import torch
 
 from . import receipts
 from .agreement import LOCAL, Agreement
-from .gate import Accuracy, SpeedVerdict, Timing, measure_accuracy, paired_speedup
+from .gate import Accuracy, SpeedVerdict, Timing, measure_accuracy, median_seconds, paired_speedup
 from .layout import stride_order
 from .plan import ShapeRecord
 from .specs import AccuracyFloor, Spec
@@ -111,11 +111,14 @@ class Trial:
 @dataclass(frozen=True)
 class Built:
     """What a form built for a trial: `run` computes the trial's output in the host's layout; `product` is what
-    binds (an attention runner, a feed-forward module); `detail` says what was chosen."""
+    binds (an attention runner, a feed-forward module); `detail` says what was chosen. `routed(layout)`, where
+    given, is the call as the model will make it once bound (guard, mask check, routing included): the speed
+    gate times that, not `run` alone."""
 
     run: Callable[[], torch.Tensor]
     product: Any
     detail: str = ""
+    routed: Callable[[tuple[int, ...]], Callable[[], Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,7 @@ class Measured:
     timing: Timing
     timed_at: str  # "timed at <site>" when another site's measurement serves this one, else ""
     layout: tuple[int, ...]  # the output's stride order, outermost dim first
+    alone: float | None = None  # a routed call not faster: the speedup of the form's kernel alone, for the receipt
 
     @property
     def speed(self) -> str:
@@ -198,7 +202,7 @@ def _decide(trial: Trial, contenders: Sequence[Contender], options: GateOptions,
                 passed.append(measured)
             else:
                 record.trail.append(receipts.declined(contender.name, measured.timing, measured.timed_at, need,
-                                                      trial.shape, measured.accuracy))
+                                                      trial.shape, measured.accuracy, measured.alone))
                 declined = declined or measured
             if passed:
                 _skip_slower(pending, max(passed, key=lambda m: m.timing.speedup), options, timings, trial.site,
@@ -290,12 +294,14 @@ def _measure(trial: Trial, contender: Contender, host_out: torch.Tensor, options
         record.trail.append(receipts.below_floor(contender.name, accuracy, floor, trial.shape))
         return None
 
+    timed = built.routed(layout) if built.routed is not None else built.run
+
     def measure() -> Timing:
         local_timing: Timing | None = None
         error: Exception | None = None
         try:
             with torch.no_grad():
-                local_timing = paired_speedup(trial.host, built.run, trial.device,
+                local_timing = paired_speedup(trial.host, timed, trial.device,
                                               rounds=options.rounds_for(trial.device),
                                               need=options.speedup_needed(contender.spec))
         except Exception as exc:  # failing while timed (out of memory, say) refuses the form, as failing to run does
@@ -310,7 +316,22 @@ def _measure(trial: Trial, contender: Contender, host_out: torch.Tensor, options
     except _TimingFailed as failed:
         record.trail.append(receipts.failed(contender.name, failed.why, trial.shape, stage="time"))
         return None
-    return Measured(contender, built, accuracy, timing, timed_at, layout)
+    alone = None
+    if built.routed is not None and not timed_at and not clears(timing, options.speedup_needed(contender.spec)):
+        alone = _alone(built, timing, trial.device, options.agreement)
+    return Measured(contender, built, accuracy, timing, timed_at, layout, alone)
+
+
+def _alone(built: Built, routed: Timing, device: torch.device, agreement: Agreement) -> float | None:
+    """The speedup of a form's kernel alone against the host time of the routed call's timing (its median of a
+    few calls): what a receipt quotes beside a routed call that was not faster. None where it fails to run."""
+    try:
+        with torch.no_grad():
+            seconds = median_seconds(built.run, device, samples=5)
+    except Exception:  # informative only: a failure here changes no decision
+        seconds = float("inf")
+    seconds = agreement.slowest(seconds)
+    return routed.host_ms / 1e3 / seconds if 0 < seconds < float("inf") else None
 
 
 class _TimingFailed(Exception):

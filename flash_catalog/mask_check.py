@@ -6,11 +6,17 @@ tensor on the mask's device: the caller decides with it on the device (a CUDA gr
 where reading is free. The check is exact: the mask's allowed pattern (True for a bool mask, 0 for an additive one)
 must equal the one seen at calibration, and an additive mask may hold only 0 and blocked values (at or below
 `masks.BLOCKED_AT`, -inf included); anything else, a real bias say, fails it.
+
+In eager, `verdict` reads the check on the host (one sync); a mask it has verified is not read again while it is
+the same memory unwritten: the same base tensor (held weakly), view geometry and dtype, and the same version
+(every in-place write, through any view, bumps it). Hosts that pass one mask to every layer pay one read.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -45,6 +51,7 @@ class MaskCheck:
 
     info: MaskInfo
     expected: torch.Tensor | None
+    _verified: list[Any] = field(default_factory=list, repr=False)  # [(weakref to the base, geometry, version)]
 
     @classmethod
     def of(cls, mask: torch.Tensor, info: MaskInfo) -> MaskCheck:
@@ -58,5 +65,28 @@ class MaskCheck:
         pure = _pure(mask)
         return ok if pure is None else ok & pure
 
+    def verdict(self, mask: torch.Tensor, remember: bool = True) -> bool:
+        """`passes`, read on the host (eager only); with `remember`, skipped for the mask last verified while it
+        is unwritten (`_identity`)."""
+        identity = _identity(mask) if remember else None
+        if identity is not None and self._verified:
+            base, geometry, version = self._verified[0]
+            if base() is identity[0] and (geometry, version) == identity[1:]:
+                return True
+        ok = bool(self.passes(mask))
+        if identity is not None:
+            self._verified[:] = [(weakref.ref(identity[0]), *identity[1:])] if ok else []
+        return ok
+
     def nbytes(self) -> int:
         return 0 if self.expected is None else self.expected.numel() * self.expected.element_size()
+
+
+def _identity(mask: torch.Tensor) -> tuple[torch.Tensor, tuple, int] | None:
+    """(base tensor, view geometry and dtype, version) of an eager mask, or None where it has no version counter
+    (an inference-mode tensor) and so cannot be recognised as unwritten."""
+    if mask.is_inference():
+        return None
+    base = mask._base if mask._base is not None else mask
+    geometry = (mask.storage_offset(), tuple(mask.shape), mask.stride(), mask.dtype, mask.device)
+    return base, geometry, mask._version

@@ -33,12 +33,15 @@ def below_floor(form: str, accuracy: Accuracy, floor: AccuracyFloor, shape: str)
             f"err<={floor.max_rel_err} at {shape}")
 
 
-def declined(form: str, timing: Timing, timed_at: str, need: float, shape: str, accuracy: Accuracy | None) -> str:
+def declined(form: str, timing: Timing, timed_at: str, need: float, shape: str, accuracy: Accuracy | None,
+             alone: float | None = None) -> str:
     """A form not faster (or not surely faster: undecided) than `need`, with the measurement (its accuracy when it
-    was run here; a form timed not faster at another site of this shape is not run again)."""
+    was run here; a form timed not faster at another site of this shape is not run again). `alone`: the speedup of
+    the form's kernel without the routed call's guard, mask check and routing, where that was measured."""
     where = f", {timed_at}" if timed_at else ""
     checked = accuracy.describe() if accuracy is not None else "not run here"
-    return f"{form}: declined, {timing.reason(need)}{where} at {shape}, {checked}"
+    routed = f" as a routed call, kernel alone {alone:.2f}x" if alone is not None else ""
+    return f"{form}: declined, {timing.reason(need)}{routed}{where} at {shape}, {checked}"
 
 
 def bound(form: str, speed: str, need: float, accuracy: Accuracy, detail: str) -> str:

@@ -54,3 +54,24 @@ class OutOfStepOnRank1(AttentionForm):
             raise RuntimeError("no tile plan for this rank's keys")
         self.variant_seconds(lambda: None, call.query.device)
         return Runner(lambda c: F.scaled_dot_product_attention(c.query, c.key, c.value, scale=c.scale), "sdpa")
+
+
+class CompiledSdpa(AttentionForm):
+    """SDPA through its own `torch.compile` (a counting backend): `compiled_runs` counts the calls that ran the
+    compiled code, so a test can tell whether the gate timed the form compiled, as it runs after attach."""
+
+    compiled_runs = [0]
+
+    def build(self, call):
+        def backend(gm, example_inputs):
+            def compiled(*args):
+                CompiledSdpa.compiled_runs[0] += 1
+                return gm.forward(*args)
+
+            return compiled
+
+        def sdpa(q, k, v, scale):
+            return F.scaled_dot_product_attention(q, k, v, scale=scale)
+
+        fn = torch.compile(sdpa, backend=backend, dynamic=False)
+        return Runner(lambda c: fn(c.query, c.key, c.value, c.scale), "compiled sdpa")

@@ -7,7 +7,8 @@ router is already serving, go straight to the original.
 
 Routing is written for torch.compile: it reads only what dynamo guards on by itself (the slot through the module,
 shapes, dtypes, devices, static arguments), keys nothing by id, and counts calls only when not compiling. A bound
-call becomes one opaque custom op (`routes.attention_op`); anything the plan did not qualify runs the original.
+call runs its route directly in eager and becomes one opaque custom op (`routes.attention_op`) when traced;
+anything the plan did not qualify runs the original.
 
 Under diffusers' context parallelism a call carries a `parallel_config`: the router lets diffusers run it (the
 all-to-all, the mask all-gather, the ring's log-sum-exp merge) and serves the backend's per-rank forward op instead,
@@ -188,9 +189,12 @@ def context_parallel(sig: CallSignature, args: tuple[Any, ...], kwargs: dict[str
     return host_only_reason(sig, a, served=("backend", "parallel_config")) is None
 
 
-# (slot, ordinal, call or None, why only the host may serve it, the original function, args, kwargs) -> output
-Capture = Callable[[SiteSlot, int, AttentionCall | None, str | None, Callable[..., torch.Tensor], tuple, dict],
-                   torch.Tensor]
+Rehearsal = Callable[[Route], Callable[[], Any]]
+"""The call at hand as a route would serve it once bound (`AttentionRouter.rehearsal`): what the gate times."""
+
+# (slot, ordinal, call or None, why only the host may serve it, the original function, args, kwargs, rehearsal)
+Capture = Callable[[SiteSlot, int, AttentionCall | None, str | None, Callable[..., torch.Tensor], tuple, dict,
+                    Rehearsal], torch.Tensor]
 
 
 @dataclass(eq=False)
@@ -270,7 +274,8 @@ class AttentionRouter:
         if self.mode is Mode.CAPTURE and self.capture is not None:
             call, problem = canonical(LOCAL_SIGNATURE, call_args, call_kwargs, self.masks)
             host = self._local_host(forward_op, plumbing.get("_parallel_config"))
-            return self.capture(frame.slot, frame.local, call, problem, host, call_args, call_kwargs)
+            return self.capture(frame.slot, frame.local, call, problem, host, call_args, call_kwargs,
+                                self.rehearsal(host, LOCAL_SIGNATURE, call_args, call_kwargs))
         return self._route(frame.slot, frame.local, exact, LOCAL_SIGNATURE, call_args, call_kwargs)
 
     def _local_host(self, forward_op: Callable[..., Any], parallel_config: Any) -> LocalHost:
@@ -298,7 +303,8 @@ class AttentionRouter:
                     frame.local = None
             if self.mode is Mode.CAPTURE and self.capture is not None:
                 call, problem = canonical(sig, args, kwargs, self.masks)
-                return self.capture(frame.slot, ordinal, call, problem, original, args, kwargs)
+                return self.capture(frame.slot, ordinal, call, problem, original, args, kwargs,
+                                    self.rehearsal(original, sig, args, kwargs))
             return self._route(frame.slot, ordinal, original, sig, args, kwargs)
         finally:
             frame.busy = False
@@ -311,18 +317,47 @@ class AttentionRouter:
             if not torch.compiler.is_compiling():
                 self._fallback(slot, ordinal, key)
             return original(*args, **kwargs)
+        return self._serve(route, slot, ordinal, original, sig, args, kwargs)
+
+    def _serve(self, route: Route, slot: SiteSlot | None, ordinal: int, original: Callable[..., torch.Tensor],
+               sig: CallSignature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call whose static key has a route: its mask checked, then the route (or the host where the check
+        fails). Eager calls run the route directly; traced ones see one opaque op. `slot` None: a rehearsal."""
         a = sig.bind(args, kwargs)
         mask = a["attn_mask"]
-        if torch.compiler.is_compiling() or mask is None or capturing(mask):
+        compiling = torch.compiler.is_compiling()
+        if compiling or mask is None or capturing(mask):
             choice = 0 if mask is None else CHECK_INSIDE  # traced or captured: the op checks on the device
         else:
-            choice = route.pick(mask)  # eager: read the check here, so a failing call runs the host exactly
+            # eager: read the check here, so a failing call runs the host exactly; a rehearsal reads every mask
+            choice = route.pick(mask, remember=slot is not None)
             if choice == HOST:
-                self._fallback(slot, ordinal, None, "its mask has another structure")
+                if slot is not None:
+                    self._fallback(slot, ordinal, None, "its mask has another structure")
                 return original(*args, **kwargs)
-        if not torch.compiler.is_compiling():
+        if compiling:
+            return route(a["query"], a["key"], a["value"], mask, choice)
+        if slot is not None:
             self.routed[f"{slot.path}#{ordinal}"] += 1
-        return route(a["query"], a["key"], a["value"], mask, choice)
+        return route.serve(a["query"], a["key"], a["value"], mask, choice)
+
+    def rehearsal(self, original: Callable[..., torch.Tensor], sig: CallSignature, args: tuple[Any, ...],
+                  kwargs: dict[str, Any]) -> Callable[[Route], Callable[[], Any]]:
+        """The call as `_route` will serve it once `route` is bound at its static key, counting nothing: what the
+        speed gate times (key, guard, mask check and routing included)."""
+
+        def with_route(route: Route) -> Callable[[], Any]:
+            table = {route.key: route}
+
+            def routed_call() -> Any:
+                found = table.get(static_key(sig, args, kwargs))
+                if found is None:
+                    return original(*args, **kwargs)
+                return self._serve(found, None, 0, original, sig, args, kwargs)
+
+            return routed_call
+
+        return with_route
 
     def _fallback(self, slot: SiteSlot, ordinal: int, key: StaticKey | None, why: str | None = None) -> None:
         """Count (and, the first time, log) a call at a bound site that the guard sends to the host."""

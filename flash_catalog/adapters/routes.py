@@ -68,10 +68,11 @@ class Route:
             return attention_lse_op(self.handle, query, key, value, attn_mask, choice)
         return attention_op(self.handle, query, key, value, attn_mask, choice)
 
-    def pick(self, attn_mask: torch.Tensor) -> int:
-        """The alternative whose mask check passes, read on the host (eager only), or HOST."""
+    def pick(self, attn_mask: torch.Tensor, remember: bool = True) -> int:
+        """The alternative whose mask check passes, read on the host (eager only), or HOST. `remember`: a mask
+        already verified and not written since is not read again (`MaskCheck.verdict`)."""
         for index, alt in enumerate(self.alternatives):
-            if alt.check is not None and bool(alt.check.passes(attn_mask)):
+            if alt.check is not None and alt.check.verdict(attn_mask, remember):
                 return index
         return HOST
 
@@ -206,6 +207,13 @@ class RouteTable:
         """Bytes of the mask patterns the routes check against (each pattern once)."""
         checks = {id(a.check): a.check for r in self.routes.values() for a in r.alternatives if a.check is not None}
         return sum(c.nbytes() for c in checks.values())
+
+
+def unlisted_route(key: StaticKey, host: Callable[..., torch.Tensor], host_kwargs: tuple[tuple[str, Any], ...],
+                   alternatives: tuple[Alternative, ...], out_order: tuple[int, ...]) -> Route:
+    """A route that no handle resolves to, for the gate to time in eager (where routes run directly, not through
+    the op): the bound call as it will run, before it is bound."""
+    return Route("unlisted", key, host, host_kwargs, alternatives, out_order, key.return_lse)
 
 
 def resolve(handle: str) -> Route:
