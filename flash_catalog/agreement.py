@@ -69,9 +69,10 @@ class Agreement:
 
     @classmethod
     def of(cls, model: nn.Module) -> Agreement:
-        """The agreement a model needs: over its context-parallel group when diffusers' context parallelism is
-        enabled on it or on a module in it (a pipeline's denoisers: `enable_parallelism` before `attach`), else
-        `LOCAL`."""
+        """The agreement a model needs: over its whole context-parallel mesh (diffusers' flattened ring x Ulysses
+        mesh: every rank, not one ring or Ulysses group, since a decision binds all of them) when diffusers' context
+        parallelism is enabled on it or on a module in it (a pipeline's denoisers: `enable_parallelism` before
+        `attach`), else `LOCAL`."""
         configs = (getattr(getattr(m, "_parallel_config", None), "context_parallel_config", None)
                    for m in model.modules())
         config = next((c for c in configs if getattr(c, "_flattened_mesh", None) is not None), None)

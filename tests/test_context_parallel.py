@@ -1,17 +1,20 @@
-"""Attach under diffusers' context parallelism: two real processes, gloo, tiny Wan and LTX-2 on CPU.
+"""Attach under diffusers' context parallelism: real processes (two, or four for ring-4 and Ulysses-2 x ring-2),
+gloo, tiny Wan and LTX-2 on CPU.
 
 Each rank builds the same tiny model, computes the unparallelised host output, enables context parallelism
-(Ulysses or ring, degree 2), attaches with forced binds (min_speedup=0), runs, detaches. The parent checks: the
-parallel self-attention sites bound on both ranks at their per-rank shapes (Ulysses: the full sequence over half the
-heads; ring: each step, with its log-sum-exp), outputs close to the unparallelised host, identical plans on both
-ranks, a plan that records the world size and degrees, detach bit-exact (output and state_dict), the refusal of
-a form that does not return the log-sum-exp at ring steps, and (Wan) regional compilation with fullgraph=True of the
-attached parallel model. Nothing of torch.distributed is mocked.
+(Ulysses, ring, or both), attaches with forced binds (min_speedup=0), runs, detaches. The parent checks: the
+parallel self-attention sites bound on every rank at their per-rank shapes (Ulysses: the full sequence over a share
+of the heads; ring: each step, with its log-sum-exp; both: each ring step over the Ulysses share of the heads),
+outputs close to the unparallelised host, identical plans on every rank, a plan that records the world size and
+degrees, detach bit-exact (output and state_dict), the refusal of a form that does not return the log-sum-exp at
+ring steps, and (Wan) regional compilation with fullgraph=True of the attached parallel model. Nothing of
+torch.distributed is mocked.
 """
 
 from __future__ import annotations
 
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -21,7 +24,6 @@ import torch.multiprocessing as mp
 
 pytestmark = pytest.mark.distributed
 
-WORLD = 2
 NO_LSE_SPEC = """
 name = "sdpa_no_lse"
 family = "attention_core"
@@ -35,6 +37,21 @@ masks = ["none", "all_pass"]
 min_cosine = 0.9999
 max_rel_err = 0.02
 """
+
+
+@dataclass(frozen=True)
+class Case:
+    """One parallel run: the tiny model, diffusers' degrees (world size: their product), what else it exercises."""
+
+    name: str
+    ulysses: int = 1
+    ring: int = 1
+    compile: bool = False  # regional compilation (fullgraph) of the attached parallel model
+    faults: bool = False  # forms failing or out of step on one rank, and re-attach from a receipt
+
+    @property
+    def world(self) -> int:
+        return self.ulysses * self.ring
 
 
 def _free_port() -> int:
@@ -52,47 +69,48 @@ def _run(model, inputs) -> torch.Tensor:
         return _first(model(**inputs))
 
 
-def _worker(rank: int, port: int, name: str, kind: str, out_dir: str) -> None:
+def _worker(rank: int, port: int, cases: tuple[Case, ...], out_dir: str) -> None:
+    """Each case in turn, on a fresh model: the cases of one world size share the processes (one start-up)."""
     from flash_catalog.cpu_parallel import cpu_flash_attention, one_device_per_process
 
     one_device_per_process()  # diffusers divides by the accelerator count, 0 on a CPU machine
     torch.set_num_threads(1)
-    if kind == "ring":
+    if any(case.ring > 1 for case in cases):
         cpu_flash_attention()  # a CPU kernel for the op diffusers' `_native_flash` backend calls
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=cases[0].world)
     try:
-        torch.save(_scenario(name, kind, Path(out_dir)), Path(out_dir) / f"rank{rank}.pt")
+        torch.save([_scenario(case, Path(out_dir)) for case in cases], Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def _scenario(name: str, kind: str, out_dir: Path) -> dict:
+def _scenario(case: Case, out_dir: Path) -> dict:
     from diffusers import ContextParallelConfig
 
     from flash_catalog import AttachError, attach, detach
     from flash_catalog.catalog import Catalog
     from flash_catalog.tiny_hosts import build
 
-    host = build(name)
+    host = build(case.name)
     inputs = host.inputs()
-    if name == "ltx2":
+    if case.name == "ltx2":
         # diffusers 0.42.1 all-gathers a per-head text mask, which its Ulysses head split then cannot broadcast
         inputs["encoder_attention_mask"] = None
     reference = _run(host.model, inputs)  # the unparallelised host
-    if kind == "ring":
+    if case.ring > 1:
         host.model.set_attention_backend("_native_flash")  # the native backend returns no log-sum-exp
-    host.model.enable_parallelism(config=ContextParallelConfig(**{f"{kind}_degree": WORLD}),
+    host.model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=case.ulysses, ring_degree=case.ring),
                                   cp_plan=_cp_plan(host.model))
     host_cp = _run(host.model, inputs)
     state = {k: v.clone() for k, v in host.model.state_dict().items()}
     result: dict = {"reference": reference, "host_cp": host_cp}
-    if kind == "ring":  # a form that cannot return the log-sum-exp is refused at ring steps
+    if case.ring > 1:  # a form that cannot return the log-sum-exp is refused at ring steps
         spec = _rank_spec(out_dir, "sdpa_no_lse", "flash_catalog.forms.sdpa_dense:SdpaDense")
         plan = attach(host.model, inputs, attention_forms=["sdpa_no_lse"], min_speedup=0, timing_rounds=3,
                       catalog=Catalog.load([spec]))
         result["no_lse"] = [s.to_dict() for s in plan.sites]
         detach(plan)
-    if name == "wan" and kind == "ulysses":  # a form failing on rank 1 only: refused on both ranks, none waits alone
+    if case.faults:  # a form failing on rank 1 only: refused on both ranks, none waits alone
         spec = _rank_spec(out_dir, "flaky", "noisy_form:FailsWhenTimedOnRank1")
         plan = attach(host.model, inputs, attention_forms=["flaky", "sdpa_dense"], min_speedup=0, timing_rounds=3,
                       catalog=Catalog.load([spec], extend=True))
@@ -112,7 +130,7 @@ def _scenario(name: str, kind: str, out_dir: Path) -> dict:
     result["sites"] = [s.to_dict() for s in plan.sites]
     result["parallel"] = plan.to_dict()["parallel"]
     result["routed"], result["fallbacks"] = plan.routed, plan.fallbacks
-    if name == "wan" and kind == "ulysses":  # re-attached from rank 0's receipt on every rank: nothing timed
+    if case.faults:  # re-attached from rank 0's receipt on every rank: nothing timed
         receipt = out_dir / "receipt.json"
         if torch.distributed.get_rank() == 0:
             plan.save(receipt)
@@ -122,7 +140,7 @@ def _scenario(name: str, kind: str, out_dir: Path) -> dict:
                       plan=receipt)
         result["reused"] = [s.to_dict() for s in plan.sites]
         result["attached_again"] = _run(host.model, inputs)
-    if name == "wan":  # regional compilation of the attached parallel model: no graph break, the same outputs
+    if case.compile:  # regional compilation of the attached parallel model: no graph break, the same outputs
         from torch._dynamo.utils import counters
 
         counters.clear()
@@ -156,21 +174,27 @@ def _cp_plan(model):
     return plan
 
 
-def _spawn(name: str, kind: str, tmp_path: Path) -> list[dict]:
-    mp.spawn(_worker, args=(_free_port(), name, kind, str(tmp_path)), nprocs=WORLD, join=True)
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+def _spawn(cases: tuple[Case, ...], tmp_path: Path) -> dict[Case, list[dict]]:
+    """Every case's results, rank by rank, from one set of processes (the cases' common world size)."""
+    world = cases[0].world
+    assert all(case.world == world for case in cases)
+    mp.spawn(_worker, args=(_free_port(), cases, str(tmp_path)), nprocs=world, join=True)
+    every = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    return {case: [results[i] for results in every] for i, case in enumerate(cases)}
 
 
 def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
 
 
-def _check_common(ranks: list[dict], kind: str) -> None:
+def _check_common(ranks: list[dict], case: Case) -> None:
     first = ranks[0]
-    assert first["sites"] == ranks[1]["sites"]  # identical plans: outcomes, forms, figures, reasons
-    assert first["parallel"] == ranks[1]["parallel"]
-    assert first["parallel"]["world_size"] == WORLD and first["parallel"][f"{kind}_degree"] == WORLD
-    assert first["parallel"]["decided_by"] == [0, 1]
+    for r in ranks[1:]:
+        assert r["sites"] == first["sites"]  # identical plans: outcomes, forms, figures, reasons
+        assert r["parallel"] == first["parallel"]
+    assert first["parallel"]["world_size"] == case.world
+    assert (first["parallel"]["ulysses_degree"], first["parallel"]["ring_degree"]) == (case.ulysses, case.ring)
+    assert first["parallel"]["decided_by"] == list(range(case.world))  # the whole mesh, not one ring or Ulysses group
     for r in ranks:
         assert _cosine(r["attached"], r["reference"]) > 0.99999
         assert torch.allclose(r["attached"], r["reference"], atol=1e-4, rtol=1e-4)
@@ -190,9 +214,25 @@ def _check_compiled(ranks: list[dict]) -> None:
         assert all(torch.equal(out, r["attached"]) for out in r["compiled"])
 
 
+def _check_ring_steps(ranks: list[dict], case: Case, query: str) -> None:
+    """The self-attention sites bound at each ring step's per-rank query shape, with its log-sum-exp, on every rank;
+    a form without the log-sum-exp refused there alike."""
+    attn1 = _self_attention(ranks[0]["sites"], "attn1#0")
+    assert len(attn1) == 2 and all(s["outcome"] == "bound" and s["form"] == "sdpa_dense" for s in attn1)
+    shape = attn1[0]["shapes"][0]
+    assert shape["shape"].startswith(f"q={query}") and shape["shape"].endswith("+lse")
+    assert shape["calls"] == case.ring  # one call per ring step
+    for r in ranks:
+        assert all(r["routed"][s["name"]] == case.ring for s in attn1)
+    refused = _self_attention(ranks[0]["no_lse"], "attn1#0")
+    assert all(s["outcome"] == "refused" and "log-sum-exp" in s["shapes"][0]["reason"] for s in refused)
+    assert all(r["no_lse"] == ranks[0]["no_lse"] for r in ranks)
+
+
 def test_wan_ulysses_serves_each_ranks_full_sequence_over_half_the_heads(tmp_path):
-    ranks = _spawn("wan", "ulysses", tmp_path)
-    _check_common(ranks, "ulysses")
+    case = Case("wan", ulysses=2, compile=True, faults=True)
+    ranks = _spawn((case,), tmp_path)[case]
+    _check_common(ranks, case)
     _check_compiled(ranks)
     attn1 = _self_attention(ranks[0]["sites"], "attn1#0")
     assert len(attn1) == 2 and all(s["outcome"] == "bound" and s["form"] == "sdpa_dense" for s in attn1)
@@ -223,8 +263,9 @@ def test_wan_ulysses_serves_each_ranks_full_sequence_over_half_the_heads(tmp_pat
 
 
 def test_ltx2_ulysses_binds_every_parallel_site_on_both_ranks(tmp_path):
-    ranks = _spawn("ltx2", "ulysses", tmp_path)
-    _check_common(ranks, "ulysses")
+    case = Case("ltx2", ulysses=2)
+    ranks = _spawn((case,), tmp_path)[case]
+    _check_common(ranks, case)
     sites = ranks[0]["sites"]
     assert sites and all(s["outcome"] == "bound" for s in sites)
     video_self = _self_attention(sites, "attn1#0")
@@ -232,16 +273,32 @@ def test_ltx2_ulysses_binds_every_parallel_site_on_both_ranks(tmp_path):
 
 
 def test_wan_ring_serves_each_step_with_its_log_sum_exp(tmp_path):
-    ranks = _spawn("wan", "ring", tmp_path)
-    _check_common(ranks, "ring")
+    case = Case("wan", ring=2, compile=True)
+    ranks = _spawn((case,), tmp_path)[case]
+    _check_common(ranks, case)
     _check_compiled(ranks)
-    attn1 = _self_attention(ranks[0]["sites"], "attn1#0")
-    assert len(attn1) == 2 and all(s["outcome"] == "bound" for s in attn1)
-    shape = attn1[0]["shapes"][0]
-    assert shape["shape"].startswith("q=(1,16,2,12)") and shape["shape"].endswith("+lse")  # half the sequence
-    assert shape["calls"] == WORLD  # one call per ring step
-    for r in ranks:
-        assert all(r["routed"][s["name"]] == WORLD for s in attn1)
-    refused = _self_attention(ranks[0]["no_lse"], "attn1#0")
-    assert all(s["outcome"] == "refused" and "log-sum-exp" in s["shapes"][0]["reason"] for s in refused)
-    assert ranks[0]["no_lse"] == ranks[1]["no_lse"]
+    _check_ring_steps(ranks, case, "(1,16,2,12)")  # half the sequence, both heads
+
+
+RING_4 = Case("wan", ring=4)
+ULYSSES_2_RING_2 = Case("wan", ulysses=2, ring=2, compile=True)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory) -> dict[Case, list[dict]]:
+    """Ring-4, then Ulysses-2 x ring-2, in one set of four processes."""
+    return _spawn((RING_4, ULYSSES_2_RING_2), tmp_path_factory.mktemp("four_ranks"))
+
+
+def test_wan_ulysses_by_ring_serves_each_ring_step_over_the_ulysses_heads(four_ranks):
+    ranks = four_ranks[ULYSSES_2_RING_2]
+    _check_common(ranks, ULYSSES_2_RING_2)
+    # after the Ulysses all-to-all: half the sequence (the ring's share of 32 tokens) over 1 of the 2 heads
+    _check_ring_steps(ranks, ULYSSES_2_RING_2, "(1,16,1,12)")
+    _check_compiled(ranks)
+
+
+def test_wan_ring_4_serves_each_of_its_four_steps(four_ranks):
+    ranks = four_ranks[RING_4]
+    _check_common(ranks, RING_4)
+    _check_ring_steps(ranks, RING_4, "(1,8,2,12)")  # a quarter of the sequence, both heads

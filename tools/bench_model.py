@@ -35,7 +35,7 @@ import sys
 import time
 import traceback
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
@@ -103,8 +103,10 @@ def cast_like_pretrained(model: nn.Module, mode: str) -> None:
                 tensor.data = tensor.data.to(torch.float32 if any(k in name.split(".") for k in keep) else DTYPE)
 
 
-def build(name: str, tiny: bool, device: torch.device, seed: int, cast: str) -> tuple[nn.Module, dict[str, Any], int]:
-    """The model (random weights, eval, on `device`), its forward kwargs, and its video token count."""
+def build(name: str, tiny: bool, device: torch.device, seed: int, cast: str,
+          latent_frames: int | None = None) -> tuple[nn.Module, dict[str, Any], int]:
+    """The model (random weights, eval, on `device`), its forward kwargs, and its video token count; `latent_frames`
+    in place of the geometry's: a longer or shorter clip at the same resolution."""
     from diffusers import LTX2VideoTransformer3DModel, WanTransformer3DModel
 
     family = "ltx2" if name == "ltx2" else "wan"
@@ -121,6 +123,7 @@ def build(name: str, tiny: bool, device: torch.device, seed: int, cast: str) -> 
         torch.cuda.empty_cache()  # hand back the float32 copies' blocks
     model.eval()
     geo = (TINY if tiny else FULL)[name]
+    geo = geo if latent_frames is None else replace(geo, frames=latent_frames)
     gen = torch.Generator(device=device).manual_seed(seed + 1)
 
     def randn(*shape: int) -> torch.Tensor:

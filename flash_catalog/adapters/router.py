@@ -248,7 +248,9 @@ class AttentionRouter:
 
     def parallel_serving(self, original: Callable[..., Any]) -> Callable[..., Any]:
         """Wrap diffusers' `_templated_context_parallel_attention`: inside a site's context-parallel call its
-        backend's forward op is replaced by one that the router serves (`dispatch_local`)."""
+        backend's forward op is replaced by one that the router serves (`dispatch_local`). With both degrees above 1
+        it runs diffusers' unified attention, whose ring steps (after the Ulysses all-to-all: H/U heads) call that
+        forward op too."""
 
         def templated_attention(*args: Any, forward_op: Callable[..., Any], **kwargs: Any) -> Any:
             frame = self.stack[-1] if self.stack else None
