@@ -59,7 +59,12 @@ class MaskCheck:
         return cls(info, None if info.kind == ALL_PASS else _compact(allowed_pattern(mask)))
 
     def passes(self, mask: torch.Tensor) -> torch.Tensor:
-        """0-d bool tensor on the mask's device: the mask has this structure. Tensor ops only, no sync."""
+        """0-d bool tensor on the mask's device: the mask has this structure. Tensor ops only, no sync; one
+        Triton pass on CUDA (`kernels.mask_match`)."""
+        if mask.is_cuda and mask.dim() <= 4:
+            from .kernels.mask_match import mask_matches
+
+            return mask_matches(mask, self.expected, blocked_at(mask.dtype) if mask.dtype != torch.bool else 0.0)
         allowed = allowed_pattern(mask)
         ok = allowed.all() if self.expected is None else (allowed == self.expected).all()
         pure = _pure(mask)

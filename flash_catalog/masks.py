@@ -24,6 +24,7 @@ Results are cached per mask tensor (identity and in-place version), so a reused 
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 
@@ -139,7 +140,9 @@ def _empty_rows_any(mask: torch.Tensor) -> bool:
     return False
 
 
+@functools.cache
 def blocked_at(dtype: torch.dtype) -> float:
+    """BLOCKED_AT rounded to `dtype` (read once per dtype: the run-time mask check asks at every call)."""
     return float(torch.tensor(BLOCKED_AT, dtype=dtype))
 
 

@@ -386,3 +386,42 @@ def test_causal_with_padding(s, pads, left):
     assert info.kind == "causal"
     rows = info.key_valid if len(info.key_valid) == len(pads) else info.key_valid * len(pads)
     assert torch.equal(torch.tensor(rows), valid)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("case", ["bool_groups", "bool_broadcast", "additive_pure", "additive_bias", "all_pass",
+                                  "all_pass_blocked", "nan", "strided"])
+def test_mask_match_kernel_agrees_with_the_torch_check(case):
+    """The one-pass Triton check (CUDA's path) gives the torch path's verdict, for matching and broken masks."""
+    from flash_catalog.kernels.mask_match import mask_matches
+    from flash_catalog.mask_check import MaskCheck
+    from flash_catalog.masks import blocked_at, describe_mask
+
+    gid = torch.arange(48) // 8
+    groups = gid[:, None] == gid[None, :]
+    if case == "bool_groups":
+        seen, other = groups, groups.clone()
+        other[3, 20] = True
+    elif case == "bool_broadcast":
+        seen = groups.expand(2, 3, 48, 48)
+        other = seen.clone()
+        other[1, 2, 5, 40] = True
+    elif case in ("additive_pure", "additive_bias", "nan"):
+        seen = torch.zeros(48, 48).masked_fill(~groups, float("-inf"))
+        other = seen.clone()
+        other[0, 40] = {"additive_pure": -1e9, "additive_bias": -0.5, "nan": float("nan")}[case]  # a blocked key
+    elif case in ("all_pass", "all_pass_blocked"):
+        seen = torch.zeros(2, 1, 1, 48, dtype=torch.bfloat16)
+        other = seen.clone()
+        if case == "all_pass_blocked":
+            other[1, 0, 0, 7] = -1e4
+    else:
+        seen = groups.t().contiguous().t()  # column-major storage
+        other = seen.clone()
+        other[10, 2] = True
+    check = MaskCheck.of(seen, describe_mask(seen))
+    for mask in (seen, other):
+        blocked = blocked_at(mask.dtype) if mask.dtype != torch.bool else 0.0
+        assert bool(mask_matches(mask, check.expected, blocked)) == bool(check.passes(mask)), (case, mask is seen)
+    assert bool(check.passes(seen))
+    assert bool(check.passes(other)) == (case in ("additive_pure", "all_pass"))  # still blocked / unchanged

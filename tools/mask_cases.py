@@ -52,8 +52,14 @@ class Case:
     inputs: dict[str, Any]
 
 
-def _qkv(b: int, h: int, sq: int, skv: int, d: int, dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
+def _qkv(b: int, h: int, sq: int, skv: int, d: int, dtype: torch.dtype, device: str, bshd: bool = False
+         ) -> dict[str, torch.Tensor]:
+    """Q, K, V in (B, H, S, D); with `bshd`, views of (B, S, H, D) tensors, as diffusers' native backend passes
+    them to SDPA."""
     g = torch.Generator(device=device).manual_seed(0)
+    if bshd:
+        return {name: torch.randn(b, s, h, d, device=device, dtype=dtype, generator=g).transpose(1, 2)
+                for name, s in (("q", sq), ("k", skv), ("v", skv))}
     return {name: torch.randn(b, h, s, d, device=device, dtype=dtype, generator=g)
             for name, s in (("q", sq), ("k", skv), ("v", skv))}
 
@@ -82,11 +88,12 @@ def ragged_sizes(groups: int, low: int, high: int, seed: int = 0) -> list[int]:
     return torch.randint(low, high + 1, (groups,), generator=g).tolist()
 
 
-def _site(kind: str, form: str, b: int, h: int, sq: int, skv: int, d: int, mask, dtype: torch.dtype = torch.bfloat16):
+def _site(kind: str, form: str, b: int, h: int, sq: int, skv: int, d: int, mask, dtype: torch.dtype = torch.bfloat16,
+          bshd: bool = False):
     """A builder of a bare attention site; `mask(device)` makes its mask (None: no mask)."""
 
     def make(name: str, device: str) -> Case:
-        inputs = dict(_qkv(b, h, sq, skv, d, dtype, device), mask=mask(device) if mask is not None else None)
+        inputs = dict(_qkv(b, h, sq, skv, d, dtype, device, bshd), mask=mask(device) if mask is not None else None)
         return Case(name, kind, form, Sdpa(), inputs)
 
     return make
@@ -130,8 +137,8 @@ CASES = {
     "tirex_128x17_fp32": _site("block_diagonal", "grouped_tiles", 64, 4, 2176, 2176, 128, _tirex(), torch.float32),
     "groups_32x512": _site("block_diagonal", "grouped_batch", 8, 8, 16384, 16384, 64,
                            lambda device: groups_mask([512] * 32, device)),
-    "text_all_pass": _site("all_pass", "sdpa_dense", 1, 32, 24576, 256, 128,
-                           lambda device: torch.zeros(1, 1, 1, 256, dtype=torch.bfloat16, device=device)),
+    "text_all_pass": _site("all_pass", "sdpa_dense", 1, 32, 24576, 256, 128,  # LTX-2's text cross-attention
+                           lambda device: torch.zeros(1, 1, 1, 256, dtype=torch.bfloat16, device=device), bshd=True),
     "self_s16384": _site("none", "sage2_fp8_cuda", 1, 32, 16384, 16384, 128, None),
     "ragged_module": _ragged_module,
     "tiny_s128": _site("none", "", 1, 2, 128, 128, 64, None),  # nothing beats the host here: every form declines
