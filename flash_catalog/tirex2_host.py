@@ -115,3 +115,43 @@ def set_rnn_backend(model: nn.Module, backend: str) -> int:
             m.config._flashrnn_config = None  # rebuilt from the config on the next call
             n += 1
     return n
+
+
+MLSTM_KERNELS = {  # mlstm-kernels' kernel names, as TiRex-2 picks them per device (tirex2 mlstm_block.py)
+    "triton": ("chunkwise--triton_limit_chunk", "native_sequence__triton", "triton"),
+    "native": ("chunkwise--native_autograd", "native_sequence__native", "native"),
+}
+
+
+def set_mlstm_kernels(model: nn.Module, kind: str) -> int:
+    """Rebuild every mLSTM cell's kernel backend with mlstm-kernels' "triton" (TiRex-2's choice on CUDA) or
+    "native" (pure PyTorch, its choice on the CPU) kernels, keeping the rest of its configuration; returns the
+    number of cells changed."""
+    from dataclasses import replace
+
+    from mlstm_kernels.torch.backend_module import mLSTMBackend
+    from tirex2.model.component.mlstm_block import mLSTMLayer
+
+    chunkwise, sequence, step = MLSTM_KERNELS[kind]
+    n = 0
+    for m in model.modules():
+        if isinstance(m, mLSTMLayer):
+            config = replace(m.mlstm_backend.config, chunkwise_kernel=chunkwise, sequence_kernel=sequence,
+                             step_kernel=step)
+            m.mlstm_backend = mLSTMBackend(config)
+            n += 1
+    return n
+
+
+def recurrent_cells(model: nn.Module) -> dict[str, nn.Module]:
+    """The first sLSTM and the first mLSTM cell ("slstm", "mlstm"), to probe their kernels on their own."""
+    from tirex2.model.component.flashrnn_slstm import _FlashRNNLayer
+    from tirex2.model.component.mlstm_block import mLSTMLayer
+
+    cells: dict[str, nn.Module] = {}
+    for m in model.modules():
+        if isinstance(m, _FlashRNNLayer):
+            cells.setdefault("slstm", m)
+        elif isinstance(m, mLSTMLayer):
+            cells.setdefault("mlstm", m)
+    return cells
