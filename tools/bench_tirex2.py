@@ -180,7 +180,8 @@ class Bench:
                              tirex2_host.set_rnn_backend),
                    "mlstm": (self.args.mlstm_kernels, MLSTM_FALLBACK if self.device.type == "cuda" else ("native",),
                              tirex2_host.set_mlstm_kernels)}
-        x = torch.randn(4, 8, model.embedding_dim, device=self.device, dtype=dtype)
+        patches = (model.context_len + model.future_len) // model.input_patch_size
+        x = torch.randn(2 * (1 + self.args.covariates), patches, model.embedding_dim, device=self.device, dtype=dtype)
         for kind, (wanted, fallback, setter) in choices.items():  # each recurrent cell kind on its own first
             for backend in ([wanted] if wanted != "auto" else list(fallback)):
                 setter(model, backend)
