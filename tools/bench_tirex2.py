@@ -291,6 +291,7 @@ class Bench:
             detach(plan)
         with torch.no_grad():
             case["detach_exact"] = bool(torch.equal(model(batch), ref["model"])) if "model" in ref else None
+        self.record(case, "detached", "model", scopes.call("model"), ref)  # the host again: the run's drift
         log(f"  detached: model output bit-equal to the dense host's: {case['detach_exact']}; routed "
             f"{case.get('routed')} calls, {case.get('fallbacks')} fallbacks")
 
@@ -326,6 +327,15 @@ class Bench:
             del model
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
+
+
+def _drift(by: dict[tuple, dict[str, Any]], case: dict[str, Any]) -> str:
+    """The whole forward timed again after detach, against the first dense timing: how far the run drifted."""
+    key = (case["dtype"], case["windows"])
+    before, after = by.get((*key, "dense", "model"), {}), by.get((*key, "detached", "model"), {})
+    if "ms" not in before or "ms" not in after:
+        return ""
+    return f"  host after detach {after['ms']:.3f} ms ({after['ms'] / before['ms']:.3f} of the first)"
 
 
 def print_table(data: dict[str, Any]) -> None:
@@ -364,7 +374,7 @@ def print_table(data: dict[str, Any]) -> None:
             sp = f"{p['speedup']:.2f}x" if p["speedup"] else "-"
             print(f"  {case['dtype']:9s} W={case['windows']:<4d} attach {case['attach_s']:6.1f} s  {p['outcomes']}  "
                   f"gate: {p['form'] or '-'} {sp}  routed {case.get('routed')} fallbacks {case.get('fallbacks')}  "
-                  f"detach exact {case.get('detach_exact')}")
+                  f"detach exact {case.get('detach_exact')}" + _drift(by, case))
         elif "attach_error" in case:
             print(f"  {case['dtype']:9s} W={case['windows']:<4d} attach failed: {case['attach_error'][:200]}")
     for name, m in data["models"].items():
