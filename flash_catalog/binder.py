@@ -32,6 +32,7 @@ from .pipelines import denoisers
 from .plan import AttachTimings, Plan, ShapeRecord, SiteRecord
 from .profiles import get_profile
 from .stance import CalibrationStance
+from .mask_check import MaskReuse
 from .reuse import SavedDecisions, load_receipt
 
 log = logging.getLogger("flash_catalog")
@@ -118,7 +119,7 @@ def attach(model: nn.Module | Any, example: Example, *, attention_forms: Sequenc
     stance = CalibrationStance.now()  # the host runs eager during calibration, the forms in this stance
     calibration = Calibration(forms, ffn_forms_built, options, routes, staging,
                               Progress(None if adapter.discovered else len(modules) + len(ffn_modules)), stance,
-                              saved)
+                              MaskReuse.of(example), saved)
     router.capture = calibration.meet_attention
     installation = _installation(adapter, router, modules)
     ffn_sites = [FfnSite(path, module, not keep_host_on_device, calibration.meet_ffn)

@@ -25,7 +25,7 @@ from .decide import AttachClock, Built, Contender, Decision, GateOptions, Timing
 from .forms.base import AttentionForm, Runner
 from .forms.ffn_base import FfnForm
 from .kernels.staging import StagingKey, StagingPool
-from .mask_check import MaskCheck
+from .mask_check import MaskCheck, MaskReuse
 from .memory import module_tensors, tensor_bytes
 from .plan import ShapeRecord
 from .qualify import envelope_rule, tensor_rule
@@ -100,6 +100,7 @@ class Calibration:
     staging: StagingPool
     progress: Progress
     stance: CalibrationStance  # decisions run in the user's stance, not the calibration call's force_eager
+    mask_reuse: MaskReuse  # which masks the host passes again: the gate times their check once, others every call
     saved: SavedDecisions | None = None  # a receipt given to attach: its timings seed `timings`
     timings: TimingCache = field(default_factory=TimingCache)
     clock: AttachClock = field(default_factory=AttachClock)
@@ -120,6 +121,7 @@ class Calibration:
 
         site = f"{slot.path}#{ordinal}"
         slot.table(ordinal)
+        reused = call is not None and call.attn_mask is not None and self.mask_reuse.note(call.attn_mask)
         key = call.shape_key() if call is not None else f"unroutable: {problem}"
         records = self.attention.setdefault(site, {})
         if key in records:
@@ -140,7 +142,7 @@ class Calibration:
         def rehearse(runner: Runner, layout: tuple[int, ...]) -> Callable[[], Output]:
             alternatives = (*self._alternatives.get((slot.path, ordinal, call.static_key()), ()),
                             self._alternative(call, runner))
-            return rehearsal(unlisted_route(call.static_key(), original, call.static, alternatives, layout))
+            return rehearsal(unlisted_route(call.static_key(), original, call.static, alternatives, layout), reused)
 
         decision = self._decide(site, record, shape, call.query.device, host,
                                 [attention_contender(form, site, call, rehearse) for form in self.attention_forms])

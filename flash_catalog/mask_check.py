@@ -92,6 +92,36 @@ def _identity(mask: torch.Tensor) -> tuple[torch.Tensor, tuple, int] | None:
     (an inference-mode tensor) and so cannot be recognised as unwritten."""
     if mask.is_inference():
         return None
-    base = mask._base if mask._base is not None else mask
+    base = _base(mask)
     geometry = (mask.storage_offset(), tuple(mask.shape), mask.stride(), mask.dtype, mask.device)
     return base, geometry, mask._version
+
+
+@dataclass
+class MaskReuse:
+    """Whether the host passes a mask again unwritten (so the run-time check reads it once, `MaskCheck.verdict`) or
+    builds a new one for every call (read at every call): a mask that is one of the example's own tensors, or
+    that an earlier call of this calibration passed, is reused. The gate times the routed call accordingly."""
+
+    given: list[weakref.ref[torch.Tensor]] = field(default_factory=list)
+    met: list[tuple[weakref.ref[torch.Tensor], int]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, example: Any) -> MaskReuse:
+        tensors = example.values() if isinstance(example, dict) else example if isinstance(example, (tuple, list)) \
+            else ()  # a callable example: its tensors are made inside it
+        return cls([weakref.ref(_base(t)) for t in tensors if isinstance(t, torch.Tensor)])
+
+    def note(self, mask: torch.Tensor) -> bool:
+        """Record a mask met by calibration; True when the host has shown that it reuses it."""
+        base = _base(mask)
+        version = mask._version if not mask.is_inference() else None
+        reused = any(ref() is base for ref in self.given) or any(
+            ref() is base and seen == version for ref, seen in self.met)
+        if version is not None and not reused:
+            self.met.append((weakref.ref(base), version))
+        return reused and version is not None
+
+
+def _base(t: torch.Tensor) -> torch.Tensor:
+    return t._base if t._base is not None else t

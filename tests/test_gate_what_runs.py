@@ -129,3 +129,43 @@ def test_a_verified_mask_written_in_place_is_checked_again():
         model(**fresh)
     assert sum(plan.routed.values()) == routed + 4
     detach(plan)
+
+
+class _FreshMask(torch.nn.Module):
+    """The TiRex-2 way: the (S, S) group mask is built again inside every call."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        super().__init__()
+        self.gid = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+
+    def forward(self, q: torch.Tensor) -> torch.Tensor:
+        mask = self.gid[:, None] == self.gid[None, :]
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+
+
+class _GivenMask(torch.nn.Module):
+    def forward(self, q: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+
+
+def test_the_gate_reads_the_mask_at_every_call_only_where_the_host_builds_a_new_one(monkeypatch):
+    from flash_catalog.mask_check import MaskCheck
+
+    reads = [0]
+    passes = MaskCheck.passes
+
+    def counted(self, mask):
+        reads[0] += 1
+        return passes(self, mask)
+
+    monkeypatch.setattr(MaskCheck, "passes", counted)
+    q = torch.randn(2, 2, 40, 8)
+    fresh = _FreshMask([5] * 8)
+    plan = attach(fresh, (q,), attention_forms=["grouped_batch"], min_speedup=0, timing_rounds=6)
+    fresh_reads, reads[0] = reads[0], 0
+    detach(plan)
+    plan = attach(_GivenMask(), (q, fresh.gid[:, None] == fresh.gid[None, :]), attention_forms=["grouped_batch"],
+                  min_speedup=0, timing_rounds=6)
+    given_reads = reads[0]
+    detach(plan)
+    assert given_reads <= 2 and fresh_reads > 10, (given_reads, fresh_reads)  # timed calls: every one vs once

@@ -189,7 +189,7 @@ def context_parallel(sig: CallSignature, args: tuple[Any, ...], kwargs: dict[str
     return host_only_reason(sig, a, served=("backend", "parallel_config")) is None
 
 
-Rehearsal = Callable[[Route], Callable[[], Any]]
+Rehearsal = Callable[[Route, bool], Callable[[], Any]]
 """The call at hand as a route would serve it once bound (`AttentionRouter.rehearsal`): what the gate times."""
 
 # (slot, ordinal, call or None, why only the host may serve it, the original function, args, kwargs, rehearsal)
@@ -322,17 +322,17 @@ class AttentionRouter:
         return self._serve(route, slot, ordinal, original, sig, args, kwargs)
 
     def _serve(self, route: Route, slot: SiteSlot | None, ordinal: int, original: Callable[..., torch.Tensor],
-               sig: CallSignature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+               sig: CallSignature, args: tuple[Any, ...], kwargs: dict[str, Any], remember: bool = True) -> Any:
         """A call whose static key has a route: its mask checked, then the route (or the host where the check
-        fails). Eager calls run the route directly; traced ones see one opaque op. `slot` None: a rehearsal."""
+        fails). Eager calls run the route directly; traced ones see one opaque op. `slot` None: a rehearsal,
+        counted nowhere; `remember` False: the mask is read at every call, as for a host that builds a new one."""
         a = sig.bind(args, kwargs)
         mask = a["attn_mask"]
         compiling = torch.compiler.is_compiling()
         if compiling or mask is None or capturing(mask):
             choice = 0 if mask is None else CHECK_INSIDE  # traced or captured: the op checks on the device
         else:
-            # eager: read the check here, so a failing call runs the host exactly; a rehearsal reads every mask
-            choice = route.pick(mask, remember=slot is not None)
+            choice = route.pick(mask, remember)  # eager: read here, so a failing call runs the host exactly
             if choice == HOST:
                 if slot is not None:
                     self._fallback(slot, ordinal, None, "its mask has another structure")
@@ -344,18 +344,19 @@ class AttentionRouter:
         return route.serve(a["query"], a["key"], a["value"], mask, choice)
 
     def rehearsal(self, original: Callable[..., torch.Tensor], sig: CallSignature, args: tuple[Any, ...],
-                  kwargs: dict[str, Any]) -> Callable[[Route], Callable[[], Any]]:
+                  kwargs: dict[str, Any]) -> Rehearsal:
         """The call as `_route` will serve it once `route` is bound at its static key, counting nothing: what the
-        speed gate times (key, guard, mask check and routing included)."""
+        speed gate times (key, guard, mask check and routing included). `remember`: the host reuses its mask, so
+        the check reads it once (else at every call)."""
 
-        def with_route(route: Route) -> Callable[[], Any]:
+        def with_route(route: Route, remember: bool) -> Callable[[], Any]:
             table = {route.key: route}
 
             def routed_call() -> Any:
                 found = table.get(static_key(sig, args, kwargs))
                 if found is None:
                     return original(*args, **kwargs)
-                return self._serve(found, None, 0, original, sig, args, kwargs)
+                return self._serve(found, None, 0, original, sig, args, kwargs, remember)
 
             return routed_call
 
