@@ -203,12 +203,20 @@ def attached(model: nn.Module | Any, example: Example, **options: Any) -> Iterat
 def detach(plan: Plan) -> None:
     """Restore the host bit-exactly: patched names, module classes and states, weights, and nothing of the forms
     referenced. A compiled model re-traces the host on its next call (the detached modules fail its guards)."""
+    if not isinstance(plan, Plan):
+        raise TypeError(f"detach takes the Plan that attach returned (plan = attach(model, ...); detach(plan)), not "
+                        f"{_kind(plan)}")
     if plan.detached:
         return
     if plan._revert is not None:
         plan._revert()
     plan._revert = None
     plan.detached = True
+
+
+def _kind(value: Any) -> str:
+    """`a WanTransformer3DModel`, `None`: what was passed where a plan belongs."""
+    return "None" if value is None else f"a {type(value).__name__}"
 
 
 def _reverter(installation: Installation, forms: list[AttentionForm], ffn_sites: list[FfnSite],

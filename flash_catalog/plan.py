@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict, dataclass, field
 from enum import Enum
@@ -200,6 +201,15 @@ class Plan:
         return cls(sites=sites, environment=read["environment"], options=read["options"],
                    _fallbacks=lambda: fallbacks, _routed=lambda: routed, detached=True, timings=read["timings"],
                    receipt=read["receipt"], source=source, parallel=read["parallel"])
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What pickling (and `copy`) keeps: the plan's data (records, environment, options, timings, the counters as
+        they are now). The live parts (the revert actions, the counters' sources, staging, routes) belong to the
+        attach that made them: a copy holds none and is detached, so only the original plan can detach the model."""
+        fallbacks, routed = self.fallbacks, self.routed
+        return {**self.__dict__, "_fallbacks": functools.partial(dict, fallbacks),
+                "_routed": functools.partial(dict, routed), "_revert": None, "detached": True, "staging": None,
+                "routes": None}
 
     @property
     def fallbacks(self) -> dict[str, int]:
