@@ -111,6 +111,13 @@ class FfnSite:
         self.replacement = None
         self.calibrate = None
 
+    def home_copy(self, clone: nn.Module) -> None:
+        """A deep copy of the site's module (`swap.host_copy`) gets the offloaded host tensors back on their
+        devices, as the host has them once detached."""
+        tensors = dict([*clone.named_parameters(), *clone.named_buffers()])
+        for name, device in self._homes.items():
+            tensors[name].data = tensors[name].data.to(device)
+
     def host_forward(self, *args: Any, **kwargs: Any) -> Any:
         """The host's own forward; offloaded weights are brought to their device for this call only."""
         host = self._state.host.forward
