@@ -54,11 +54,6 @@ class ParallelRecord:
         return {"world_size": self.world_size, "ring_degree": self.ring_degree,
                 "ulysses_degree": self.ulysses_degree, "decided_by": list(self.decided_by), "combine": self.combine}
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ParallelRecord:
-        return cls(int(data["world_size"]), int(data["ring_degree"]), int(data["ulysses_degree"]),
-                   tuple(data["decided_by"]), str(data["combine"]))
-
 
 @dataclass(frozen=True, eq=False)
 class Agreement:

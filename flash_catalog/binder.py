@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import functools
 import logging
 import time
 from pathlib import Path
@@ -86,6 +87,7 @@ def attach(model: nn.Module | Any, example: Example, *, attention_forms: Sequenc
     timing run (a form it timed not faster is not run; one that passed is run once, for its accuracy floor). The
     options are this call's, not the receipt's; each shape record says what was reused and what was re-decided.
     """
+    _refuse_nested(model)
     host = denoisers(model)
     saved_plan = load_receipt(plan) if plan is not None else None
     catalog = catalog or default_catalog()
@@ -207,12 +209,20 @@ def attached(model: nn.Module | Any, example: Example, **options: Any) -> Iterat
 def detach(plan: Plan) -> None:
     """Restore the host bit-exactly: patched names, module classes and states, weights, and nothing of the forms
     referenced. A compiled model re-traces the host on its next call (the detached modules fail its guards)."""
+    if not isinstance(plan, Plan):
+        raise TypeError(f"detach takes the Plan that attach returned (plan = attach(model, ...); detach(plan)), not "
+                        f"{_kind(plan)}")
     if plan.detached:
         return
     if plan._revert is not None:
         plan._revert()
     plan._revert = None
     plan.detached = True
+
+
+def _kind(value: Any) -> str:
+    """`a WanTransformer3DModel`, `None`: what was passed where a plan belongs."""
+    return "None" if value is None else f"a {type(value).__name__}"
 
 
 def _reverter(installation: Installation, forms: list[AttentionForm], ffn_sites: list[FfnSite],
@@ -317,14 +327,38 @@ def _filter_sites(modules: dict[str, nn.Module], patterns: Sequence[str] | None)
 
 
 def _example_runner(model: nn.Module, example: Example) -> Callable[[], Any]:
+    """The calibration call; while it runs, no other attach may start (`_refuse_nested`)."""
     if isinstance(example, dict):
-        return lambda: model(**example)
-    if isinstance(example, (tuple, list)):
-        return lambda: model(*example)
-    if callable(example):
-        return example
-    raise TypeError(f"example must be a dict of forward kwargs, a tuple of args or a zero-argument "
-                    f"callable, got {type(example).__name__}")
+        call: Callable[[], Any] = functools.partial(model, **example)
+    elif isinstance(example, (tuple, list)):
+        call = functools.partial(model, *example)
+    elif callable(example):
+        call = example
+    else:
+        raise TypeError(f"example must be a dict of forward kwargs, a tuple of args or a zero-argument "
+                        f"callable, got {type(example).__name__}")
+    return functools.partial(_calibrating, type(model).__name__, call)
+
+
+_CALIBRATING: list[str] = []
+"""The models whose attach is running its calibration call now: its patches and hooks are live, so no attach may
+start inside it (one would stack its patches on them, and neither could be undone cleanly)."""
+
+
+def _calibrating(name: str, call: Callable[[], Any]) -> Any:
+    _CALIBRATING.append(name)
+    try:
+        return call()
+    finally:
+        _CALIBRATING.pop()
+
+
+def _refuse_nested(model: Any) -> None:
+    if _CALIBRATING:
+        raise AttachError(f"attach({type(model).__name__}) was called inside the calibration call of "
+                          f"attach({_CALIBRATING[-1]}), whose routing is live; nothing was changed. Attach "
+                          f"{type(model).__name__} before the other model, or after its attach returns, not from its "
+                          f"example")
 
 
 def _check_options(options: GateOptions) -> None:

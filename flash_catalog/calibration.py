@@ -226,7 +226,8 @@ class Calibration:
         if offer is not None:
             used = [c for c in contenders if c.name in record.timings]
             record.basis, record.basis_reason = offer.basis(
-                [c.name for c in used if not self.timings.reused(c.timing_key)],
+                [(c.name, self.timings.known(c.timing_key, site)[1]) for c in used
+                 if not self.timings.reused(c.timing_key)],
                 any(self.timings.reused(c.timing_key) for c in used))
         self.current = None
         return decision

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from . import json_fields
 from .agreement import ParallelRecord
 from .gate import Timing
 from .kernels.staging import StagingPool
+from .utf8 import NotUtf8, utf8_text
 
 if TYPE_CHECKING:
     from .adapters.routes import RouteTable
@@ -19,6 +22,9 @@ OUTCOMES = ("bound", "declined", "refused", "host")
 """bound: a form serves the shape. declined: a form qualified and was accurate but not fast enough.
 refused: no form qualified (envelope or accuracy floor). host: no form was tried (none selected, the
 site was not called, or the host passes arguments only it understands)."""
+
+MEMORY_FIELDS = ("form_bytes", "host_bytes", "delta_bytes")
+"""A bound feed-forward site's device bytes: what its form holds, what the host held, and the difference."""
 
 SCHEMA = 1
 """The receipt format `Plan.to_dict` writes and `Plan.load` reads; other versions are refused."""
@@ -61,12 +67,13 @@ class ShapeRecord:
         return {**asdict(self), "basis": self.basis.value}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ShapeRecord:
-        spread = data.get("spread")
-        return cls(**{**data, "basis": Basis(data.get("basis", Basis.DECIDED.value)),
-                      "spread": tuple(spread) if spread is not None else None,
-                      "timings": {name: Timing(**{**t, "ratios": tuple(t["ratios"])})
-                                  for name, t in data.get("timings", {}).items()}})
+    def from_dict(cls, data: Any, where: str = "shape") -> ShapeRecord:
+        """The record `to_dict` wrote; a value of the wrong type raises `json_fields.FieldError` naming its field."""
+        record = cls(**json_fields.fields(cls, data, where))
+        if record.outcome not in OUTCOMES:
+            raise json_fields.FieldError(f"{where}.outcome", f"is {record.outcome!r}; expected one of "
+                                                              f"{', '.join(OUTCOMES)}")
+        return record
 
 
 @dataclass
@@ -105,8 +112,14 @@ class SiteRecord:
                 "memory": self.memory, "shapes": [s.to_dict() for s in self.shapes]}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> SiteRecord:
-        return cls(data["name"], [ShapeRecord.from_dict(s) for s in data["shapes"]], data["kind"], data["memory"])
+    def from_dict(cls, data: Any, where: str = "site") -> SiteRecord:
+        """The record `to_dict` wrote (its `outcome` and `form` are derived, not read back)."""
+        record = cls(**json_fields.fields(cls, data, where, derived=("outcome", "form")))
+        for key in record.memory or {}:
+            if key not in MEMORY_FIELDS:
+                raise json_fields.FieldError(f"{where}.memory.{key}", f"is unknown; expected only "
+                                                                       f"{', '.join(MEMORY_FIELDS)}")
+        return record
 
 
 @dataclass(frozen=True)
@@ -162,11 +175,7 @@ class Plan:
         """A saved plan (`Plan.save`), as a record: it holds no model (detaching it does nothing); `attach(plan=)`
         reuses its decisions. A receipt of another schema version is refused with a `ReceiptError`."""
         path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ReceiptError(f"{path}: not a plan receipt (invalid JSON: {exc})") from exc
-        return cls.from_dict(data, str(path))
+        return cls.from_dict(_json(path.read_bytes(), path), str(path))
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "the given receipt") -> Plan:
@@ -174,20 +183,33 @@ class Plan:
         if not isinstance(data, dict):
             raise ReceiptError(f"{source}: not a plan receipt (a JSON object is expected, found {type(data).__name__})")
         schema = data.get("schema")
-        if schema != SCHEMA:
+        if schema != SCHEMA or isinstance(schema, bool):
             found = f"schema {schema!r}" if "schema" in data else "no schema field (written before receipts had one)"
             raise ReceiptError(f"{source}: receipt has {found}; this flash_catalog reads schema {SCHEMA}: attach "
                                f"again without plan= and save a new receipt")
         try:
-            timings, receipt, parallel = data["timings"], data["receipt"], data.get("parallel")
-            fallbacks, routed = dict(data["fallbacks"]), dict(data["routed"])
-            return cls(sites=[SiteRecord.from_dict(s) for s in data["sites"]], environment=dict(data["environment"]),
-                       options=dict(data["options"]), _fallbacks=lambda: fallbacks, _routed=lambda: routed,
-                       detached=True, timings=AttachTimings(**timings) if timings is not None else None,
-                       receipt=ReceiptUse(**receipt) if receipt is not None else None, source=source,
-                       parallel=ParallelRecord.from_dict(parallel) if parallel is not None else None)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ReceiptError(f"{source}: malformed plan receipt ({type(exc).__name__}: {exc})") from exc
+            read = {name: json_fields.read(hint, data[name], name) if name in data else _missing(name)
+                    for name, hint in _RECEIPT_FIELDS.items()}
+            for key in data:
+                if key not in _RECEIPT_FIELDS and key not in _DERIVED_FIELDS:
+                    raise json_fields.FieldError(key, f"is unknown; expected only {', '.join(_RECEIPT_FIELDS)}")
+            json_fields.read(dict[str, str] | None, read["environment"].get("specs"), "environment.specs")
+            sites = [SiteRecord.from_dict(s, f"sites[{i}]") for i, s in enumerate(read["sites"])]
+        except json_fields.FieldError as exc:
+            raise ReceiptError(f"{source}: malformed plan receipt: {exc}") from exc
+        fallbacks, routed = read["fallbacks"], read["routed"]
+        return cls(sites=sites, environment=read["environment"], options=read["options"],
+                   _fallbacks=lambda: fallbacks, _routed=lambda: routed, detached=True, timings=read["timings"],
+                   receipt=read["receipt"], source=source, parallel=read["parallel"])
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What pickling (and `copy`) keeps: the plan's data (records, environment, options, timings, the counters as
+        they are now). The live parts (the revert actions, the counters' sources, staging, routes) belong to the
+        attach that made them: a copy holds none and is detached, so only the original plan can detach the model."""
+        fallbacks, routed = self.fallbacks, self.routed
+        return {**self.__dict__, "_fallbacks": functools.partial(dict, fallbacks),
+                "_routed": functools.partial(dict, routed), "_revert": None, "detached": True, "staging": None,
+                "routes": None}
 
     @property
     def fallbacks(self) -> dict[str, int]:
@@ -215,7 +237,7 @@ class Plan:
         """Resident bytes: of bound feed-forward sites, what the forms hold and what the host held;
         `staging_bytes`, the staging pool the bound attention sites share, counted once; `mask_check_bytes`, the
         mask patterns bound masked calls are checked against, each once (both 0 once detached)."""
-        totals = {"form_bytes": 0, "host_bytes": 0, "delta_bytes": 0}
+        totals = dict.fromkeys(MEMORY_FIELDS, 0)
         for s in self.sites:
             for k, v in (s.memory or {}).items():
                 totals[k] += v
@@ -236,7 +258,7 @@ class Plan:
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
-        path.write_text(self.to_json() + "\n")
+        path.write_text(self.to_json() + "\n", encoding="utf-8")
         return path
 
     def __repr__(self) -> str:
@@ -278,6 +300,32 @@ class Plan:
 
 
 _COLUMN_WIDTHS = (40, 72, 8, 20, 8, 8, 64)  # site, shape, outcome, form, speedup, cosine, reason
+
+_RECEIPT_FIELDS: dict[str, Any] = {
+    "environment": dict[str, Any], "options": dict[str, Any], "timings": AttachTimings | None,
+    "receipt": ReceiptUse | None, "fallbacks": dict[str, int], "routed": dict[str, int],
+    "parallel": ParallelRecord | None, "sites": list[Any]}
+"""What `Plan.from_dict` reads back, by type (`parallel` may be absent); the sites are read by `SiteRecord`."""
+_DERIVED_FIELDS = ("schema", "counts", "memory", "detached")  # written for readers, not read back
+_OPTIONAL_FIELDS = ("parallel",)
+
+
+def _missing(name: str) -> Any:
+    if name in _OPTIONAL_FIELDS:
+        return None
+    raise json_fields.FieldError(name, "is missing")
+
+
+def _json(raw: bytes, path: Path) -> Any:
+    """A receipt file's JSON: UTF-8 text; anything else is a ReceiptError saying what the file seems to be."""
+    try:
+        text = utf8_text(raw)
+    except NotUtf8 as exc:
+        raise ReceiptError(f"{path}: not a plan receipt ({exc})") from exc
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError; an integer too long to convert; too deep
+        raise ReceiptError(f"{path}: not a plan receipt (invalid JSON: {exc})") from exc
 
 
 def _clip(text: str, width: int) -> str:

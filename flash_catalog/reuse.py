@@ -43,14 +43,14 @@ class Offer:
         for key, timing in self.seeds:
             timings.seed(key, timing, self.source)
 
-    def basis(self, timed: Sequence[str], reused: bool) -> tuple[Basis, str]:
-        """Re-decided when this attach timed a form for the decision (`timed`), saying why the receipt could not
-        serve it; else reused where the receipt holds this shape, or one of its timings served (`reused`: a timing
-        it holds for another site of the same shape key)."""
+    def basis(self, timed: Sequence[tuple[str, str]], reused: bool) -> tuple[Basis, str]:
+        """Re-decided when this attach timed a form for the decision (`timed`: each form with where it was timed,
+        "" at this site), saying why the receipt could not serve it; else reused where the receipt holds this
+        shape, or one of its timings served (`reused`: a timing it holds for another site of the same shape key)."""
         if timed:
             why = dict(self.missing)
             return Basis.REDECIDED, "timed by this attach: " + ", ".join(
-                f"{name} ({why.get(name, self.reason)})" for name in timed)
+                f"{name} ({why.get(name) or self.reason or _first(where)})" for name, where in timed)
         if reused:
             return Basis.REUSED, f"timings from {self.source}"
         if self.found:
@@ -96,6 +96,13 @@ class SavedDecisions:
             else:
                 seeds.append((c.timing_key, timing))
         return Offer(source, True, "", tuple(seeds), tuple(missing))
+
+
+def _first(where: str) -> str:
+    """Why this attach's timing serves a shape the receipt has a timing for: it was measured first, at another site
+    of the same timing key (`where`: "timed at <site>") or at this one, for another shape (a spec without
+    `per_shape`), and a receipt's timing never replaces a measured one."""
+    return f"{where or 'timed at this site'}, before the receipt's timing was offered"
 
 
 def _index(key: dict[str, Any] | None) -> str:

@@ -10,6 +10,8 @@ from typing import Any, Sequence
 
 from packaging.requirements import InvalidRequirement, Requirement
 
+from .utf8 import NotUtf8, utf8_text
+
 FAMILIES = ("attention_core", "vision_ffn")
 PRECISIONS = ("native", "int8", "fp8", "fp4")  # precision-first order: earlier is closer to the host
 DEVICES = ("cpu", "cuda")
@@ -150,12 +152,17 @@ def load_spec(path: str | Path) -> Spec:
 def read_toml(path: Path) -> dict[str, Any]:
     """A TOML file's table, or a SpecError saying why it cannot be read."""
     try:
-        with path.open("rb") as fh:
-            return tomllib.load(fh)
-    except tomllib.TOMLDecodeError as exc:
-        raise SpecError([SpecProblem(path, f"not valid TOML: {exc}")]) from exc
+        raw = path.read_bytes()
     except OSError as exc:
         raise SpecError([SpecProblem(path, f"cannot be read: {exc.strerror or exc}")]) from exc
+    try:
+        text = utf8_text(raw)
+    except NotUtf8 as exc:
+        raise SpecError([SpecProblem(path, f"not a UTF-8 TOML file: {exc}")]) from exc
+    try:
+        return tomllib.loads(text)
+    except (ValueError, RecursionError) as exc:  # TOMLDecodeError; a number too long to convert; too deep
+        raise SpecError([SpecProblem(path, f"not valid TOML: {exc}")]) from exc
 
 
 TOP_KEYS = ("name", "family", "implementation", "hub", "precision", "description", "envelope", "accuracy",
@@ -220,7 +227,7 @@ def _envelope(r: _Reader, family: str | None, precision: str | None, hub: bool) 
         devices=r.choices("envelope.devices", DEVICES),
         dtypes=r.choices("envelope.dtypes", DTYPES),
         min_capability=r.capability("envelope.min_capability"),
-        head_dims=tuple(r.int_list("envelope.head_dims", default=[])),
+        head_dims=tuple(r.int_list("envelope.head_dims", default=[]) or ()),  # () once failed: no cross-check
         max_head_dim=r.integer("envelope.max_head_dim", default=None),
         min_seq=r.integer("envelope.min_seq", default=1),
         max_seq=r.integer("envelope.max_seq", default=None),

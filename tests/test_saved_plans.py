@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from flash_catalog import Basis, Catalog, Plan, ReceiptError, attach, detach
 from flash_catalog import decide as decide_module
@@ -68,7 +70,7 @@ def test_a_receipt_reads_back_as_the_plan_it_saved(tmp_path):
 @pytest.mark.parametrize("edit,message", [
     (lambda d: d.update(schema=2), "receipt has schema 2; this flash_catalog reads schema 1"),
     (lambda d: d.pop("schema"), "receipt has no schema field"),
-    (lambda d: d["sites"][0].pop("name"), "malformed plan receipt (KeyError: 'name')"),
+    (lambda d: d["sites"][0].pop("name"), "malformed plan receipt: field 'sites[0].name' is missing"),
 ])
 def test_a_receipt_of_another_schema_or_malformed_is_refused_naming_the_file(tmp_path, edit, message):
     host = build("flux")
@@ -235,3 +237,181 @@ def test_a_stored_shape_key_names_the_device_by_its_type():
     key = ShapeKey("bshd", (1, 8, 2, 4), (1, 8, 2, 4), (1, 8, 2, 4), "bfloat16", "cuda:1", "none", None, None, None,
                    False, None, False)
     assert key.fields()["device"] == "cuda"
+
+
+def receipt_with_every_record(tmp_path, host) -> Path:
+    """A receipt holding every kind of record once: an attention and a feed-forward site, with one shape each, timings,
+    a `receipt` use (it was attached from another receipt) and a parallel record."""
+    first, _ = saved_receipt(tmp_path, host, ffn_forms=["fp8_rowwise"])
+    plan = attach(host.model, host.inputs(), min_speedup=0, timing_rounds=1, ffn_forms=["fp8_rowwise"], plan=first)
+    detach(plan)
+    data = plan.to_dict()
+    kinds = {site["kind"]: site for site in reversed(data["sites"])}  # the first site of each kind
+    data["sites"] = [kinds["attention"], kinds["ffn"]]
+    for site in data["sites"]:
+        shape = site["shapes"][0]
+        site["shapes"], shape["trail"] = [shape], shape["trail"][:1]
+    data["environment"]["specs"] = {name: data["environment"]["specs"][name] for name in ("sdpa_dense", "fp8_rowwise")}
+    data["parallel"] = {"world_size": 2, "ring_degree": 1, "ulysses_degree": 2, "decided_by": [0, 1],
+                        "combine": "worst accuracy"}
+    path = tmp_path / "every.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def nodes(node, path=""):
+    """Every value of a JSON document with its field path (`sites[0].shapes[0].speedup`), its container and key."""
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, value in list(items):
+        here = f"{path}[{key}]" if isinstance(node, list) else f"{path}.{key}" if path else key
+        yield here, node, key, value
+        yield from nodes(value, here)
+
+
+def wrong_values(value):
+    """Values of another JSON type than `value`: a number written as a string, a boolean for a number, ..."""
+    if isinstance(value, bool):
+        return ["yes"]
+    if isinstance(value, (int, float)):
+        return [str(value), True]
+    if isinstance(value, str):
+        return [7]
+    if value is None:
+        return ["none"]
+    return [{"x": 1}] if isinstance(value, list) else [["x"]]
+
+
+def test_every_field_of_a_receipt_is_read_by_type_naming_the_field_or_serves_an_attach(tmp_path):
+    """A hand-edited receipt: each field in turn given a value of another type, removed, or renamed. `Plan.load` either
+    refuses it with a ReceiptError naming the file and the field, or the plan it reads serves an attach."""
+    host = build("flux")
+    inputs = host.inputs()
+    reference = run(host.model, inputs)
+    path = receipt_with_every_record(tmp_path, host)
+    good = json.loads(path.read_text())
+    edited = tmp_path / "edited.json"
+    refused, served = 0, 0
+    for field_path, _, key, value in list(nodes(good)):
+        edits = [(field_path, v) for v in wrong_values(value)] + [(field_path, None), (field_path + "_x", value)]
+        for named, new in edits:
+            data = json.loads(json.dumps(good))
+            container = next(c for p, c, _, _ in nodes(data) if p == field_path)
+            if named == field_path and new is None:
+                if isinstance(container, list):
+                    continue
+                del container[key]
+            elif named != field_path:
+                if isinstance(container, list):
+                    continue
+                container[f"{key}_x"] = container.pop(key)
+            else:
+                container[key] = new
+            edited.write_text(json.dumps(data))
+            try:
+                Plan.load(edited)
+            except ReceiptError as exc:
+                message = str(exc)
+                assert message.startswith(f"{edited}: "), message
+                assert f"'{field_path}'" in message or f"'{named}'" in message or field_path == "schema", message
+                refused += 1
+                continue
+            plan = attach(host.model, inputs, min_speedup=0, timing_rounds=1, ffn_forms=["fp8_rowwise"],
+                          plan=edited)
+            assert str(plan) and plan.to_json()
+            detach(plan)
+            served += 1
+    assert refused > 100 and served > 20, (refused, served)
+    assert torch.equal(run(host.model, inputs), reference)
+
+
+@pytest.mark.parametrize("content,message", [
+    (lambda good: __import__("gzip").compress(good), "gzip-compressed data: decompress it first"),
+    (lambda good: good.decode().encode("utf-16"), "UTF-16 or UTF-32 text: save it as UTF-8"),
+    (lambda good: good.decode().encode("utf-16-le"), "UTF-16 or UTF-32 text: save it as UTF-8"),
+    (lambda good: good.decode().encode("utf-32"), "UTF-16 or UTF-32 text: save it as UTF-8"),
+    (lambda good: good.replace(b'"sites"', '"sit\u00e9s"'.encode("latin-1")), "not UTF-8 text: byte "),
+    (lambda good: b"", "invalid JSON"),
+    (lambda good: good[: len(good) // 2], "invalid JSON"),
+    (lambda good: b"[" * 100_000, "invalid JSON"),
+    (lambda good: b"1" * 5000, "invalid JSON"),
+    (lambda good: b"null", "a JSON object is expected, found NoneType"),
+])
+def test_a_receipt_file_that_is_not_utf8_json_is_refused_naming_the_file(tmp_path, content, message):
+    host = build("flux")
+    path, _ = saved_receipt(tmp_path, host)
+    path.write_bytes(content(path.read_bytes()))
+    with pytest.raises(ReceiptError, match="^" + str(path).replace("\\", "\\\\") + ": ") as info:
+        Plan.load(path)
+    assert message in str(info.value)
+    with pytest.raises(ReceiptError):
+        attach(host.model, host.inputs(), plan=path)
+
+
+def test_a_utf8_receipt_with_a_byte_order_mark_reads_back(tmp_path):
+    host = build("flux")
+    path, plan = saved_receipt(tmp_path, host)
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert Plan.load(path).sites == plan.sites
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_bytes_give_a_plan_or_a_receipt_error(tmp_path, data):
+    """Arbitrary bytes, and a real receipt with bytes changed, removed or cut: a ReceiptError naming the file, or a
+    plan whose table and JSON can be written."""
+    good = RECEIPT_BYTES.setdefault("flux", saved_receipt(tmp_path, build("flux"))[0].read_bytes())
+    raw = data.draw(st.one_of(st.binary(max_size=200), st.lists(
+        st.tuples(st.integers(0, len(good) - 1), st.integers(-1, 255)), min_size=1, max_size=3).map(
+        lambda edits: _edited(good, edits))))
+    path = tmp_path / "fuzzed.json"
+    path.write_bytes(raw)
+    try:
+        plan = Plan.load(path)
+    except ReceiptError as exc:
+        assert str(exc).startswith(f"{path}: ")
+        return
+    assert str(plan) and plan.to_json()
+
+
+RECEIPT_BYTES: dict[str, bytes] = {}
+
+
+def _edited(raw: bytes, edits) -> bytes:
+    """`raw` with each (position, byte) edit applied: -1 cuts the document there."""
+    out = bytearray(raw)
+    for at, byte in edits:
+        if byte < 0:
+            del out[at % max(len(out), 1):]
+        elif out:
+            out[at % len(out)] = byte
+    return bytes(out)
+
+
+def test_a_receipt_reason_is_never_empty(tmp_path):
+    """Every shape's `basis_reason` and `reason` say something, whichever part of the receipt serves: a receipt of
+    some sites only (the other sites' timing, taken here, then serves the sites the receipt holds), of another
+    environment, of a changed spec, or of another shape."""
+    host = build("wan")
+    partial = attach(host.model, host.inputs(), min_speedup=0, timing_rounds=1, sites=["blocks.1*"])
+    detach(partial)
+    path = partial.save(tmp_path / "partial.json")
+    other = json.loads(path.read_text())
+    other["environment"]["torch"] = "2.0.0"
+    other_path = tmp_path / "other.json"
+    other_path.write_text(json.dumps(other))
+    changed = json.loads(path.read_text())
+    changed["environment"]["specs"]["sdpa_dense"] = "0000"
+    changed_path = tmp_path / "changed.json"
+    changed_path.write_text(json.dumps(changed))
+    for receipt, size in ((path, 1), (other_path, 1), (changed_path, 1), (path, 2)):
+        plan = attach(host.model, host.inputs(size), min_speedup=0, timing_rounds=1, plan=receipt)
+        detach(plan)
+        for site in plan.sites:
+            for shape in site.shapes:
+                for text in (shape.basis_reason, shape.reason):
+                    assert text and "()" not in text, (receipt, site.name, text)
+    again = attach(host.model, host.inputs(), min_speedup=0, timing_rounds=1, plan=path)
+    detach(again)
+    reason = again.site("blocks.1.attn1#0").shapes[0].basis_reason
+    assert reason == ("timed by this attach: sdpa_dense (timed at blocks.0.attn1#0, before the receipt's timing was "
+                      "offered)")

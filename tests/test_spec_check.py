@@ -1,9 +1,12 @@
 """The catalog author's tools: `spec_check.check` (implementations, families, names, profiles), profile
 validation, and which forms are usable on a machine and why not."""
 
+import re
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from flash_catalog import Catalog, SpecError
 from flash_catalog.availability import Machine, availability
@@ -158,3 +161,85 @@ def test_a_missing_requirement_or_import_makes_a_form_unusable_everywhere(tmp_pa
     assert row.reasons == ("requires nopkg_xyz>=1, nopkg_xyz is not installed",
                            "implementation needs_missing_dependency:Form: needs definitely_missing_package_xyz, "
                            "which is not installed")
+
+
+LITERALS = ('"x"', "7", "-1.5", "true", "[]", '[1, "a"]', "{ a = 1 }", "1979-05-27T07:32:00Z", '"\u00e9t\u00e9"', "nan")
+"""TOML values of every kind, to write in place of a field's value."""
+
+
+def edited_files(folder: Path):
+    """Every shipped spec and profile file with one field's value replaced by each of `LITERALS`, as
+    (dotted field, path of the edited copy); a copy of a profile lies in a `profiles/` folder."""
+    for source in sorted(specs_dir().rglob("*.toml")):
+        lines = source.read_text().splitlines()
+        table = ""
+        for i, line in enumerate(lines):
+            if line.startswith("["):
+                table = line.strip("[] ")
+            key = re.match(r"^(\w+) = ", line)
+            if key is None:
+                continue
+            for literal in LITERALS:
+                edited = lines[:i] + [f"{key.group(1)} = {literal}"] + lines[i + 1:]
+                target = folder / source.parent.name / source.name
+                target.parent.mkdir(exist_ok=True)
+                target.write_text("\n".join(edited) + "\n")
+                yield (f"{table}.{key.group(1)}" if table else key.group(1)), target
+
+
+def test_every_field_of_every_spec_and_profile_is_checked_naming_the_file_and_the_field(tmp_path):
+    """Each field of the shipped files in turn given a value of another kind: the check reports problems naming the
+    file and that field, or another field it contradicts naming it (or accepts the value); it never raises."""
+    refused = 0
+    for field, path in edited_files(tmp_path):
+        report = check([path])
+        [found] = report.files
+        assert found.path == path
+        if found.ok:
+            continue
+        refused += 1
+        assert all(p.path == path for p in found.problems), found.lines()
+        assert any(p.field == field or field in p.message for p in found.problems), (field, found.lines())
+    assert refused > 300, refused
+
+
+@pytest.mark.parametrize("encode,message", [
+    (lambda text: text.encode("utf-16"), "not a UTF-8 TOML file: UTF-16 or UTF-32 text: save it as UTF-8"),
+    (lambda text: text.encode("utf-16-le"), "not a UTF-8 TOML file: UTF-16 or UTF-32 text: save it as UTF-8"),
+    (lambda text: text.encode("utf-32"), "not a UTF-8 TOML file: UTF-16 or UTF-32 text: save it as UTF-8"),
+    (lambda text: (text + "# \u00e9t\u00e9\n").encode("latin-1"),
+     "not a UTF-8 TOML file: not UTF-8 text: byte "),
+    (lambda text: __import__("gzip").compress(text.encode()),
+     "not a UTF-8 TOML file: gzip-compressed data: decompress it first"),
+    (lambda text: b"x = " + b"[" * 100_000, "not valid TOML: "),
+    (lambda text: b"x = " + b"1" * 5000, "not valid TOML: "),
+])
+@pytest.mark.parametrize("kind", ["spec", "profile"])
+def test_a_spec_or_profile_file_that_is_not_utf8_toml_is_one_problem_naming_the_file(tmp_path, capsys, encode,
+                                                                                    message, kind):
+    from flash_catalog.cli import main
+
+    text = SDPA if kind == "spec" else (specs_dir() / "profiles" / "fp8_balance.toml").read_text()
+    path = (tmp_path / "profiles" if kind == "profile" else tmp_path) / "encoded.toml"
+    path.parent.mkdir(exist_ok=True)
+    path.write_bytes(encode(text))
+    [found] = check([path]).files
+    [problem] = found.problems
+    assert problem.path == path and message in problem.message, problem
+    assert main(["specs", "check", str(path)]) == 1
+    assert f"error {path}: {message}" in capsys.readouterr().out
+
+
+def test_a_utf8_spec_with_a_byte_order_mark_checks_clean(tmp_path):
+    path = tmp_path / "bom.toml"
+    path.write_bytes(b"\xef\xbb\xbf" + SDPA.encode())
+    assert check([path]).ok
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(raw=st.one_of(st.binary(max_size=300), st.text(max_size=300).map(str.encode)))
+def test_any_bytes_in_a_spec_file_give_a_report(tmp_path, raw):
+    path = tmp_path / "fuzzed.toml"
+    path.write_bytes(raw)
+    [found] = check([path]).files
+    assert found.path == path and all(p.path == path for p in found.problems)

@@ -16,7 +16,11 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.nn.modules.module import (register_module_buffer_registration_hook,
+                                     register_module_module_registration_hook,
+                                     register_module_parameter_registration_hook)
 from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils.hooks import RemovableHandle
 
 from ..pinned import PinnedCopy, pinned_copy
 from .swap import Attached, state_of
@@ -68,6 +72,8 @@ class FfnSite:
         self._state = Attached(module)
         self._homes: dict[str, torch.device] = {}
         self._pinned: list[PinnedCopy] = []
+        self._seen: tuple[tuple[str, torch.Tensor, int, int], ...] = ()  # the host's tensors as the form quantised
+        # them: name, tensor, version counter, storage address
 
     def install(self) -> None:
         self._state.apply(self, "ffn", ffn_forward)
@@ -76,15 +82,35 @@ class FfnSite:
         plain = not args and not kwargs and isinstance(x, torch.Tensor)
         if plain and self.calibrate is not None:
             return self.calibrate(self, x)
-        if plain and self.replacement is not None and ffn_key(x) in self.keys and not torch.is_grad_enabled():
-            if not torch.compiler.is_compiling():
+        bound = plain and ffn_key(x) in self.keys and not torch.is_grad_enabled()
+        if bound and self.replacement is not None:
+            if torch.compiler.is_compiling():
+                return self.replacement(x)
+            written = self._written()
+            if written is None:
                 self.routed += 1
-            return self.replacement(x)
-        if not torch.compiler.is_compiling() and self.calibrate is None and not (plain and ffn_key(x) in self.known):
-            if not self.fallbacks:
+                return self.replacement(x)
+            self.retire(f"{written} was written")
+        # a bound input whose site retired, or an input calibration did not meet (counted, eager only)
+        if not torch.compiler.is_compiling() and self.calibrate is None and (
+                bound or not (plain and ffn_key(x) in self.known)):
+            if not self.fallbacks and self.replacement is not None:
                 log.warning("flash_catalog: %s runs the host: an input calibration did not qualify", self.path)
             self.fallbacks += 1
         return self.host_forward(x, *args, **kwargs)
+
+    def retire(self, change: str) -> None:
+        """The host's weights changed after the form quantised them (`change` says how): from now on the site runs
+        the host, whose weights are the changed ones (brought back to their devices if they were offloaded). The
+        form is not re-quantised: its accuracy was gated on the old weights only."""
+        if self.replacement is None:
+            return
+        log.warning("flash_catalog: %s: %s after attach; it runs the host from now on (its %s weights were "
+                    "quantised from the old ones). Attach again to bind the new weights", self.path, change,
+                    self.form)
+        self.replacement = None
+        _unwatch(self)
+        self._bring_home()
 
     def bind(self, form: str, replacement: nn.Module, key: FfnKey) -> None:
         """Serve `key` with `replacement` (one module per site); the first bind moves the host weights off the
@@ -93,6 +119,8 @@ class FfnSite:
             self.form, self.replacement = form, replacement
             if self.offload:
                 self._offload()
+            self._seen = tuple((name, t, t._version, t.data_ptr()) for name, t in self._host_tensors())
+            _watch(self)
         self.keys.add(key)
 
     def finish(self) -> None:
@@ -100,6 +128,21 @@ class FfnSite:
         self.calibrate = None
 
     def uninstall(self) -> None:
+        _unwatch(self)
+        self._bring_home()
+        self._state.revert()
+        self.replacement = None
+        self.calibrate = None
+
+    def _written(self) -> str | None:
+        """The first host tensor written since the form quantised it, or None: an in-place write (`load_state_dict`,
+        `copy_` or `add_` under no_grad) bumps its version counter, `p.data = t` moves its storage. An in-place
+        write through `p.data` (`p.data.add_(1)`) changes neither: torch keeps no record of it."""
+        return next((name for name, t, version, address in self._seen
+                     if t._version != version or t.data_ptr() != address), None)
+
+    def _bring_home(self) -> None:
+        """Offloaded host tensors back on their devices, as they are now (edits made while offloaded included)."""
         tensors = dict(self._host_tensors())
         for name, device in self._homes.items():
             tensors[name].data = tensors[name].data.to(device)
@@ -107,9 +150,13 @@ class FfnSite:
         for copy in self._pinned:
             copy.release()
         self._pinned.clear()
-        self._state.revert()
-        self.replacement = None
-        self.calibrate = None
+
+    def home_copy(self, clone: nn.Module) -> None:
+        """A deep copy of the site's module (`swap.host_copy`) gets the offloaded host tensors back on their
+        devices, as the host has them once detached."""
+        tensors = dict([*clone.named_parameters(), *clone.named_buffers()])
+        for name, device in self._homes.items():
+            tensors[name].data = tensors[name].data.to(device)
 
     def host_forward(self, *args: Any, **kwargs: Any) -> Any:
         """The host's own forward; offloaded weights are brought to their device for this call only."""
@@ -131,3 +178,41 @@ class FfnSite:
 
     def _host_tensors(self) -> list[tuple[str, torch.Tensor]]:
         return [*self.module.named_parameters(), *self.module.named_buffers()]
+
+
+_WATCHED: dict[int, tuple[FfnSite, str]] = {}
+"""Every module of a bound site's tree, by id, with its site and its path in the site: while one is watched, the
+process-wide registration hooks below retire the site when a module, parameter or buffer is set on one of them."""
+_HOOKS: list[RemovableHandle] = []
+
+
+def _registered(module: nn.Module, name: str, value: Any) -> None:
+    """A module, parameter or buffer set on a module (torch's registration hooks): a LoRA or PEFT layer put in
+    place of a linear, `load_state_dict(assign=True)`, a new weight. Set on a module of a bound site's tree, or in
+    place of a site's own module (a PEFT layer wrapping a projection site, which may come back fused), the site
+    retires."""
+    watched = _WATCHED.get(id(module))
+    if watched is not None:
+        site, path = watched
+        site.retire(f"{path + '.' if path else ''}{name} was replaced")
+    replaced = _WATCHED.get(id(module._modules.get(name)))
+    if replaced is not None and replaced[1] == "":
+        replaced[0].retire("its module was replaced")
+
+
+def _watch(site: FfnSite) -> None:
+    if not _HOOKS:
+        _HOOKS.extend(hook(_registered) for hook in (register_module_module_registration_hook,
+                                                     register_module_parameter_registration_hook,
+                                                     register_module_buffer_registration_hook))
+    for path, m in site.module.named_modules():
+        _WATCHED[id(m)] = (site, path)
+
+
+def _unwatch(site: FfnSite) -> None:
+    for key in [k for k, (s, _) in _WATCHED.items() if s is site]:
+        del _WATCHED[key]
+    if not _WATCHED:
+        for handle in _HOOKS:
+            handle.remove()
+        _HOOKS.clear()

@@ -5,12 +5,14 @@ so identical blocks would each compile a graph of their own. A class swap puts t
 routed module of one host class; what differs between sites lives in one attribute of the module (`STATE`), which
 dynamo reads like any other module attribute. `revert` restores the exact class and removes the attribute, so
 `type(module)`, its `__dict__` and `state_dict` are the host's again. While swapped, a module is an instance of
-the generated subclass (same name, `isinstance` of the host class); pickling the whole attached model is not
-supported (detach first; `state_dict` is unaffected).
+the generated subclass (same name, `isinstance` of the host class). A deep copy of a routed module is a plain copy
+of the host module (`host_copy`): copying an attached model gives an unattached one. Pickling the whole attached
+model is not supported (detach first; `state_dict` is unaffected).
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any, Callable
 
@@ -33,17 +35,33 @@ def host_type(module: nn.Module) -> type:
 
 
 @functools.cache
-def swapped_class(host: type, kind: str, forward: Forward) -> type:
-    """The subclass of `host` whose `forward` is `forward(module, host, *args, **kwargs)`; one per (host, kind), so
-    every module of a host class shares it (`swapped_class.cache_clear()` forgets them)."""
+def swapped_class(host: type, kind: str, forward: Forward | None) -> type:
+    """The subclass of `host` whose `forward` is `forward(module, host, *args, **kwargs)` (None: the host's own); one
+    per (host, kind), so every module of a host class shares it (`swapped_class.cache_clear()` forgets them)."""
+    members: dict[str, Any] = {"__module__": host.__module__, "__qualname__": host.__qualname__,
+                               "__deepcopy__": host_copy, "_flash_catalog_kind": kind, "_flash_catalog_host": host}
+    if forward is not None:
+        @functools.wraps(host.forward)
+        def routed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return forward(self, host, *args, **kwargs)
 
-    @functools.wraps(host.forward)
-    def routed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return forward(self, host, *args, **kwargs)
+        members["forward"] = routed_forward
+    return type(host.__name__, (host,), members)
 
-    return type(host.__name__, (host,), {"forward": routed_forward, "__module__": host.__module__,
-                                         "__qualname__": host.__qualname__, "_flash_catalog_kind": kind,
-                                         "_flash_catalog_host": host})
+
+def host_copy(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
+    """`copy.deepcopy` of a routed module: a copy of the host module (its own class, its attributes less the routing
+    state), so a copy of an attached model is not attached, computes the host and can be attached on its own. A
+    state that moved host tensors (feed-forward weights offloaded to pinned memory) puts the copy's back where the
+    host keeps them (its `home_copy(clone)`)."""
+    host = host_type(module)
+    clone = host.__new__(host)
+    memo[id(module)] = clone
+    clone.__setstate__(copy.deepcopy({k: v for k, v in module.__dict__.items() if k != STATE}, memo))
+    home_copy = getattr(state_of(module), "home_copy", None)
+    if home_copy is not None:
+        home_copy(clone)
+    return clone
 
 
 def swap_refusal(module: nn.Module) -> str | None:
@@ -58,8 +76,9 @@ def swap_refusal(module: nn.Module) -> str | None:
 
 
 class Attached:
-    """A module's routing state set on it (`STATE`), its class swapped too when a `forward` is given; reverted
-    exactly to the class it had when this record was made."""
+    """A module's routing state set on it (`STATE`), its class swapped (for the given `forward`, or only so that a
+    deep copy of the module is the host's: `host_copy`); reverted exactly to the class it had when this record was
+    made."""
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
@@ -71,8 +90,7 @@ class Attached:
         if why is not None or type(self.module) is not self.host:
             raise RuntimeError(f"cannot route {type(self.module).__name__}: {why or 'its class changed'}")
         self.module.__dict__[STATE] = state
-        if forward is not None:
-            self.module.__class__ = swapped_class(self.host, kind or "routed", forward)
+        self.module.__class__ = swapped_class(self.host, kind or "routed", forward)
         self.applied = True
 
     def revert(self) -> None:

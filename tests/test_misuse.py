@@ -1,0 +1,73 @@
+"""Misuse of the API: the wrong object given to `detach`, and plans pickled or copied."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+
+from flash_catalog import Plan, attach, detach
+from flash_catalog.tiny_hosts import build, wan_pipeline
+
+
+def run(model, inputs):
+    with torch.no_grad():
+        return model(**inputs)[0]
+
+
+def test_detach_refuses_anything_but_a_plan_saying_what_it_takes(tmp_path):
+    host = build("wan")
+    plan = attach(host.model, host.inputs(), min_speedup=0, timing_rounds=1)
+    path = plan.save(tmp_path / "receipt.json")
+    for wrong in (host.model, host.model.blocks[0], wan_pipeline(), None, str(path), path, plan.to_dict(),
+                  [plan]):
+        with pytest.raises(TypeError, match=r"^detach takes the Plan that attach returned \(plan = attach\(model, "
+                                            r"\.\.\.\); detach\(plan\)\), not ") as info:
+            detach(wrong)
+        assert ("None" if wrong is None else type(wrong).__name__) in str(info.value)
+    assert not plan.detached and sum(plan.routed.values()) == 0
+    run(host.model, host.inputs())
+    assert sum(plan.routed.values()) == 6  # still attached: nothing was undone by the refused calls
+    detach(plan)
+
+
+def plans(tmp_path):
+    """Plans of every kind, with their host, its inputs and its output before attach: attached (attention sites, and
+    feed-forward sites holding quantized weights), detached, and loaded from a receipt."""
+    out = []
+    for name, dtype, options in (("wan", torch.float32, {}), ("flux", torch.float32, {}),
+                                 ("ltx2", torch.bfloat16, {"attention_forms": [], "ffn_forms": ["fp8_rowwise"]})):
+        host = build(name, dtype=dtype)
+        inputs = host.inputs()
+        reference = run(host.model, inputs)
+        plan = attach(host.model, inputs, min_speedup=0, timing_rounds=1, **options)
+        run(host.model, inputs)  # counted on the plan
+        out.append((host.model, inputs, reference, plan))
+    model, inputs, reference, finished = out.pop(1)
+    detach(finished)
+    out += [(model, inputs, reference, finished),
+            (model, inputs, reference, Plan.load(finished.save(tmp_path / "receipt.json")))]
+    return out
+
+
+@pytest.mark.parametrize("duplicate", [lambda p: pickle.loads(pickle.dumps(p)), copy.deepcopy, copy.copy])
+def test_a_pickled_or_copied_plan_is_its_data_detached_and_only_the_original_detaches(tmp_path, duplicate):
+    for model, inputs, reference, plan in plans(tmp_path):
+        attached = not plan.detached
+        twin = duplicate(plan)
+        data = plan.to_dict()
+        assert twin.to_dict() == {**data, "detached": True,
+                                  "memory": {**data["memory"], "staging_bytes": 0, "mask_check_bytes": 0}}
+        assert twin.sites == plan.sites and twin.environment == plan.environment and twin.options == plan.options
+        assert twin.detached and twin._revert is None and twin.staging is None and twin.routes is None
+        assert plan.detached is not attached  # the original is untouched
+        detach(twin)  # inert: the model stays as it was
+        routed = plan.routed
+        run(model, inputs)
+        assert twin.routed == routed  # the data as it was when copied
+        if attached:
+            assert sum(plan.routed.values()) > sum(routed.values())  # still routed by the original plan
+            detach(plan)
+        assert torch.equal(run(model, inputs), reference)
