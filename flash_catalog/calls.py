@@ -13,8 +13,10 @@ from .masks import MaskInfo
 
 class StaticKey(NamedTuple):
     """What a call's metadata says, and nothing of its values: the part of a verdict that dynamo can guard on by
-    itself (shapes, dtypes, device, the mask's shape and dtype, the static arguments). Routing looks bound calls
-    up by it; a mask's content is checked separately (`mask_check`)."""
+    itself (shapes, strides, dtypes, device, the mask's shape and dtype, the static arguments).
+    Routing looks bound calls up by it, so a call whose tensors are laid out otherwise than at calibration runs the
+    host; so does, in eager, one whose data is not 16-byte aligned where calibration's was (traced code cannot read
+    data pointers: the op's body checks). A mask's content is checked separately (`mask_check`)."""
 
     layout: str
     q: tuple[int, ...]
@@ -28,6 +30,8 @@ class StaticKey(NamedTuple):
     scale: float | None
     enable_gqa: bool
     return_lse: bool = False  # a ring step: the output and its log-sum-exp
+    strides: tuple[tuple[int, ...], ...] = ()  # of q, k, v: a kernel pinned at calibration may need them
+    aligned: tuple[bool, ...] | None = ()  # q, k, v start on 16 bytes (TMA kernels need it); None traced: the op checks
 
     @classmethod
     def of(cls, layout: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -35,7 +39,15 @@ class StaticKey(NamedTuple):
         """The key of a call's tensors as the host passed them (its own layout): metadata only, safe to trace."""
         return cls(layout, tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, q.device,
                    tuple(mask.shape) if mask is not None else None, mask.dtype if mask is not None else None,
-                   bool(is_causal), scale, bool(enable_gqa), bool(return_lse))
+                   bool(is_causal), scale, bool(enable_gqa), bool(return_lse),
+                   (q.stride(), k.stride(), v.stride()),
+                   None if torch.compiler.is_compiling() else alignment(q, k, v))
+
+
+def alignment(*tensors: torch.Tensor) -> tuple[bool, ...]:
+    """Whether each tensor's data starts on 16 bytes; dynamo cannot trace it: read in eager, and by the op's body
+    at run time."""
+    return tuple(t.data_ptr() % 16 == 0 for t in tensors)
 
 
 class ShapeKey(NamedTuple):

@@ -178,3 +178,45 @@ def test_grouped_variate_attention_compiles_once_and_checks_its_mask_on_every_ca
     assert plan.memory()["mask_check_bytes"] == 0
     assert torch.equal(eager(model, inputs), reference)
     torch.testing.assert_close(routed_other, eager(model, other), rtol=1e-5, atol=1e-5)
+
+
+def test_many_resolutions_under_compile_take_no_more_graphs_than_the_host():
+    """Dynamo turns a size dynamic after the second shape; the router's lookup must not specialise it again (a hash
+    of the key would, one graph per resolution until the recompile limit raises under fullgraph=True)."""
+    widths = (8, 16, 4, 12, 6, 10, 14, 18, 20, 22)
+    host = build("wan")
+    g = torch.Generator().manual_seed(0)
+
+    def inputs(width):
+        return dict(host.inputs(1), hidden_states=torch.randn(1, 4, 2, 8, width, generator=g))
+
+    calibrated = inputs(8)
+    host.model.compile_repeated_blocks(fullgraph=True, backend="aot_eager")
+    for width in widths:
+        run(host.model, inputs(width))
+    host_graphs = graphs()
+    torch._dynamo.reset()
+    counters.clear()
+    plan = attach(host.model, calibrated, min_speedup=0, attention_forms=["sdpa_dense"])
+    attached = eager(host.model, calibrated)
+    for width in widths:
+        run(host.model, inputs(width))
+    assert graphs() <= host_graphs + 1, (graphs(), host_graphs)  # + the calibrated shape's own
+    assert torch.equal(run(host.model, calibrated), attached)  # the bound shape still routes
+    detach(plan)
+    run(host.model, inputs(24))  # the detached host compiles on
+
+
+def test_flex_bound_then_compiled_serves_the_first_compiled_call():
+    """A compiled graph's first run checks custom ops' outputs under a dispatch mode below autograd; FlexAttention's
+    eager CPU path must still run there (it raised "could not find kernel for custom_function_call")."""
+    host = build("tirex")
+    inputs = host.inputs()
+    plan = attach(host.model, inputs, min_speedup=0, attention_forms=["flex_blocksparse"])
+    assert {s.form for s in plan.sites} == {"flex_blocksparse"}, str(plan)
+    attached = eager(host.model, inputs)
+    for attn in host.model.attns:
+        attn.compile(fullgraph=True, backend="aot_eager")
+    assert torch.equal(run(host.model, inputs), attached)
+    assert torch.equal(run(host.model, inputs), attached)
+    detach(plan)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import enum
 import functools
 import logging
+import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -175,6 +176,29 @@ def static_key(sig: CallSignature, args: tuple[Any, ...], kwargs: dict[str, Any]
                         a["enable_gqa"], a.get("return_lse", False))
 
 
+def _unmet(key: StaticKey | None, known: set[StaticKey]) -> str:
+    """Why a call at a bound site found no route, for the fallback's warning."""
+    if key is None:
+        return "arguments only the host serves (gradients, dropout, a backend or parallel config)"
+    if any(k._replace(strides=(), aligned=()) == key._replace(strides=(), aligned=()) for k in known):
+        return (f"q, k or v laid out otherwise than at calibration (strides {key.strides}, 16-byte aligned "
+                f"{key.aligned}); attach with an example whose tensors are laid out as at run time")
+    return (f"a shape calibration did not meet (q={key.q}, {key.dtype}); attach with an example at this shape, "
+            f"or pass a calibration that covers every shape you run")
+
+
+def find_route(table: dict[StaticKey, Route], key: StaticKey) -> Route | None:
+    """The route bound at `key`. Traced, by comparing with each bound key rather than hashing: a hash reads every
+    size, so dynamo would specialise each new resolution's graph (and hit its recompile limit), where comparisons
+    guard only on the sizes being, or not being, the bound ones: one graph serves every resolution not bound."""
+    if not torch.compiler.is_compiling():
+        return table.get(key)
+    for bound, route in table.items():
+        if bound._replace(aligned=None) == key:  # alignment is not traced: the op's body checks it
+            return route
+    return None
+
+
 def context_parallel(sig: CallSignature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """The call runs diffusers' context parallelism and nothing else keeps it on the host: its per-rank forward ops
     may be served (an explicit backend is served too: its forward op is the host the forms are gated against)."""
@@ -204,11 +228,28 @@ class AttentionRouter:
     mode: Mode = Mode.CAPTURE
     capture: Capture | None = None  # calibration: decides each new (site, shape), returns the call's output
     masks: MaskCache = field(default_factory=MaskCache)
-    stack: list[Frame] = field(default_factory=list)
     fallbacks: Counter[str] = field(default_factory=Counter)  # eager calls only: counting is not traced
     routed: Counter[str] = field(default_factory=Counter)
     serves_parallel: bool = False  # diffusers' context-parallel attention is patched to serve its forward ops
     _local_hosts: dict[tuple[int, int], LocalHost] = field(default_factory=dict)  # calibration only
+    _threads: threading.local = field(default_factory=threading.local)  # each thread's frames (eager)
+    _traced: list[Frame] = field(default_factory=list)  # the frames of the code dynamo traces
+    _counting: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def stack(self) -> list[Frame]:
+        """The open frames of the calling thread: threads calling one model at once keep their own sites and
+        ordinals. Traced code has one list (dynamo replays its pushes and pops; they cancel within a call)."""
+        if torch.compiler.is_compiling():
+            return self._traced
+        frames = getattr(self._threads, "frames", None)
+        if frames is None:
+            frames = self._threads.frames = []
+        return frames
+
+    def _count(self, counter: Counter[str], site: str) -> None:
+        with self._counting:
+            counter[site] += 1
 
     # -- frames, opened by the site modules (a class swap or a calibration hook) --------------------------------
     def enter(self, slot: SiteSlot) -> None:
@@ -314,7 +355,7 @@ class AttentionRouter:
     def _route(self, slot: SiteSlot, ordinal: int, original: Callable[..., torch.Tensor], sig: CallSignature,
                args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         key = static_key(sig, args, kwargs)
-        route = slot.routes[ordinal].get(key) if key is not None and ordinal < len(slot.routes) else None
+        route = find_route(slot.routes[ordinal], key) if key is not None and ordinal < len(slot.routes) else None
         if route is None:
             if not torch.compiler.is_compiling():
                 self._fallback(slot, ordinal, key)
@@ -340,7 +381,7 @@ class AttentionRouter:
         if compiling:
             return route(a["query"], a["key"], a["value"], mask, choice)
         if slot is not None:
-            self.routed[f"{slot.path}#{ordinal}"] += 1
+            self._count(self.routed, f"{slot.path}#{ordinal}")
         return route.serve(a["query"], a["key"], a["value"], mask, choice)
 
     def rehearsal(self, original: Callable[..., torch.Tensor], sig: CallSignature, args: tuple[Any, ...],
@@ -353,7 +394,7 @@ class AttentionRouter:
             table = {route.key: route}
 
             def routed_call() -> Any:
-                found = table.get(static_key(sig, args, kwargs))
+                found = find_route(table, static_key(sig, args, kwargs))
                 if found is None:
                     return original(*args, **kwargs)
                 return self._serve(found, None, 0, original, sig, args, kwargs, remember)
@@ -369,15 +410,15 @@ class AttentionRouter:
             return  # a shape calibration decided for the host: not a fallback
         site = f"{slot.path}#{ordinal}"
         if not self.fallbacks[site]:
-            why = why or ("arguments only the host serves (gradients, dropout, a backend or parallel config)"
-                          if key is None else f"a shape calibration did not meet (q={key.q}, {key.dtype})")
+            why = why or _unmet(key, known)
             log.warning("flash_catalog: %s runs the host: %s", site, why)
-        self.fallbacks[site] += 1
+        self._count(self.fallbacks, site)
 
     def stop(self) -> None:
         self.mode = Mode.OFF
         self.capture = None
-        self.stack.clear()
+        self._threads = threading.local()
+        self._traced.clear()
         self.masks.clear()
         self._local_hosts.clear()
 

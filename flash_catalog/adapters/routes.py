@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ..calls import AttentionCall, Output, StaticKey
+from ..calls import AttentionCall, Output, StaticKey, alignment
 from ..forms.base import Runner
 from ..layout import dense_strides
 from ..mask_check import MaskCheck
@@ -88,7 +88,11 @@ class Route:
 
     def serve(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
               choice: int) -> Output:
-        """The op's body: alternative `choice`, the host (HOST), or whichever the mask check picks (CHECK_INSIDE)."""
+        """The op's body: alternative `choice`, the host (HOST), or whichever the mask check picks (CHECK_INSIDE).
+        A call whose data lost the 16-byte alignment it had at calibration (traced code cannot see it) runs the host."""
+        if self.key.aligned and not all(now or not then
+                                        for now, then in zip(alignment(query, key, value), self.key.aligned)):
+            choice = HOST
         if choice == CHECK_INSIDE and attn_mask is not None:
             if capturing(query):
                 oks = [alt.check.passes(attn_mask) if alt.check is not None else None for alt in self.alternatives]

@@ -17,6 +17,7 @@ import warnings
 import torch
 from torch.nn.attention import flex_attention as _flex_module
 from torch.nn.attention.flex_attention import flex_attention
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..blockmasks import build_block_mask
 from ..calls import AttentionCall
@@ -52,9 +53,19 @@ def compiled_flex():
 _COMPILED = itertools.count()
 
 
-def _run(fn, block_mask, kernel_options, call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    return fn(call.query, call.key, call.value, block_mask, call.scale, call.enable_gqa, kernel_options,
-              call.return_lse)
+def _run(fn, block_mask, kernel_options, dispatch: tuple, call: AttentionCall
+         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """FlexAttention on the call, in the dispatch state it was built in (`dispatch`: the thread's included and
+    excluded dispatch keys) and outside any dispatch mode of the caller's. Inside the catalog's opaque op, a
+    compiled graph's first run checks the op's outputs under a dispatch mode, below autograd, where FlexAttention's
+    eager path cannot run its autograd function ("could not find kernel for custom_function_call")."""
+    with _disable_current_modes(), torch._C._ForceDispatchKeyGuard(*dispatch):
+        return fn(call.query, call.key, call.value, block_mask, call.scale, call.enable_gqa, kernel_options,
+                  call.return_lse)
+
+
+def _dispatch_state() -> tuple:
+    return torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set()
 
 
 class FlexBlocksparse(AttentionForm):
@@ -75,7 +86,7 @@ class FlexBlocksparse(AttentionForm):
         for block in BLOCK_SIZES.get(device.type, (128,)):
             options = None if block == 128 else {"BLOCK_M": block, "BLOCK_N": block}
             block_mask = build_block_mask(call.mask, sq, skv, device, block)
-            run = functools.partial(_run, fn, block_mask, options)
+            run = functools.partial(_run, fn, block_mask, options, _dispatch_state())
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 seconds = self.variant_seconds(lambda: run(call), device, samples=3)  # inf: does not compile
