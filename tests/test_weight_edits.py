@@ -123,3 +123,30 @@ def test_weights_unchanged_keep_the_form_bound(caplog):
         host.model.state_dict()  # reading is no change
     assert sum(plan.routed.values()) == 12 and plan.fallbacks == {} and not caplog.records
     detach(plan)
+
+
+def test_a_real_peft_lora_loaded_and_fused_after_attach_is_served_by_the_host(caplog):
+    """diffusers' PEFT integration on a tiny LTX-2: `add_adapter` after attach (LoRA on the projections and both
+    feed-forward linears), then `fuse_lora`: the attached model computes what the same host with the same LoRA
+    computes, every bound site warned once."""
+    peft = pytest.importorskip("peft")
+    host = build("ltx2", dtype=torch.bfloat16)
+    inputs = host.inputs()
+    twin = copy.deepcopy(host.model)
+    plan = attach(host.model, inputs, ffn_forms=["int8_rowwise"], **OPTIONS)
+    bound = sorted(s.name for s in plan.sites if s.outcome == "bound")
+    assert len(bound) == 4, str(plan)
+    config = dict(r=4, lora_alpha=4, target_modules=["to_q", "net.0.proj", "net.2"], init_lora_weights=False)
+    with caplog.at_level(logging.WARNING, logger="flash_catalog"):
+        for model in (host.model, twin):
+            torch.manual_seed(1)  # the same random LoRA weights on both
+            model.add_adapter(peft.LoraConfig(**config))
+        assert torch.equal(run(host.model, inputs), run(twin, inputs))
+        host.model.fuse_lora()
+        twin.fuse_lora()
+        assert torch.equal(run(host.model, inputs), run(twin, inputs))
+    warned = sorted(r.getMessage().split(":")[1].strip() for r in caplog.records
+                    if "runs the host from now on" in r.getMessage())
+    assert warned == bound
+    detach(plan)
+    assert torch.equal(run(host.model, inputs), run(twin, inputs))
