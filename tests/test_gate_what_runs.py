@@ -8,6 +8,7 @@ import copy
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from torch._dynamo.testing import EagerAndRecordGraphs
 from torch._dynamo.utils import counters
@@ -169,3 +170,19 @@ def test_the_gate_reads_the_mask_at_every_call_only_where_the_host_builds_a_new_
     given_reads = reads[0]
     detach(plan)
     assert given_reads <= 2 and fresh_reads > 10, (given_reads, fresh_reads)  # timed calls: every one vs once
+
+
+def test_sdpa_dense_pins_its_backend_for_the_call_and_restores_every_switch():
+    """The form's lean pin (in place of `sdpa_kernel`'s context manager at every call) leaves torch's switches as it
+    found them, also where the call raises."""
+    from torch.nn.attention import SDPBackend
+
+    from flash_catalog.forms.sdpa_dense import _SWITCHES, pinned
+
+    before = [get() for get, _, _ in _SWITCHES]
+    seen = pinned(SDPBackend.MATH, lambda: [get() for get, _, _ in _SWITCHES])
+    assert seen == [member is SDPBackend.MATH for _, _, member in _SWITCHES]
+    assert [get() for get, _, _ in _SWITCHES] == before
+    with pytest.raises(RuntimeError):
+        pinned(SDPBackend.FLASH_ATTENTION, lambda: (_ for _ in ()).throw(RuntimeError("no kernel")))
+    assert [get() for get, _, _ in _SWITCHES] == before

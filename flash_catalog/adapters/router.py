@@ -170,7 +170,12 @@ def host_only_reason(sig: CallSignature, a: dict[str, Any], served: tuple[str, .
 def static_key(sig: CallSignature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> StaticKey | None:
     """The call's static key, or None when only the host may serve it (reads metadata only: safe to trace)."""
     a, _ = _bound(sig, args, kwargs)
-    if a is None or host_only_reason(sig, a) is not None:
+    return _key_of(sig, a) if a is not None else None
+
+
+def _key_of(sig: CallSignature, a: dict[str, Any]) -> StaticKey | None:
+    """The static key of well-formed arguments by name, or None when only the host may serve them."""
+    if host_only_reason(sig, a) is not None:
         return None
     return StaticKey.of(sig.layout, a["query"], a["key"], a["value"], a["attn_mask"], a["is_causal"], a["scale"],
                         a["enable_gqa"], a.get("return_lse", False))
@@ -256,8 +261,9 @@ class AttentionRouter:
         self.stack.append(Frame(slot))
 
     def leave(self) -> None:
-        if self.stack:
-            self.stack.pop()
+        stack = self.stack
+        if stack:
+            stack.pop()
 
     def framed(self, slot: SiteSlot | None, run: Callable[[], Any]) -> Any:
         """`run()` inside the site's frame (no frame when the slot is not this router's)."""
@@ -331,7 +337,8 @@ class AttentionRouter:
 
     def dispatch(self, original: Callable[..., torch.Tensor], sig: CallSignature,
                  args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        frame = self.stack[-1] if self.stack else None
+        stack = self.stack
+        frame = stack[-1] if stack else None
         if frame is None or frame.busy or self.mode is Mode.OFF:
             return original(*args, **kwargs)
         ordinal = frame.ordinal
@@ -354,20 +361,21 @@ class AttentionRouter:
 
     def _route(self, slot: SiteSlot, ordinal: int, original: Callable[..., torch.Tensor], sig: CallSignature,
                args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        key = static_key(sig, args, kwargs)
+        a, _ = _bound(sig, args, kwargs)
+        key = _key_of(sig, a) if a is not None else None
         route = find_route(slot.routes[ordinal], key) if key is not None and ordinal < len(slot.routes) else None
         if route is None:
             if not torch.compiler.is_compiling():
                 self._fallback(slot, ordinal, key)
             return original(*args, **kwargs)
-        return self._serve(route, slot, ordinal, original, sig, args, kwargs)
+        return self._serve(route, slot, ordinal, original, a, args, kwargs)
 
     def _serve(self, route: Route, slot: SiteSlot | None, ordinal: int, original: Callable[..., torch.Tensor],
-               sig: CallSignature, args: tuple[Any, ...], kwargs: dict[str, Any], remember: bool = True) -> Any:
+               a: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any], remember: bool = True) -> Any:
         """A call whose static key has a route: its mask checked, then the route (or the host where the check
         fails). Eager calls run the route directly; traced ones see one opaque op. `slot` None: a rehearsal,
-        counted nowhere; `remember` False: the mask is read at every call, as for a host that builds a new one."""
-        a = sig.bind(args, kwargs)
+        counted nowhere; `remember` False: the mask is read at every call, as for a host that builds a new one.
+        `a`: the call's arguments by name."""
         mask = a["attn_mask"]
         compiling = torch.compiler.is_compiling()
         if compiling or mask is None or capturing(mask):
@@ -394,10 +402,11 @@ class AttentionRouter:
             table = {route.key: route}
 
             def routed_call() -> Any:
-                found = find_route(table, static_key(sig, args, kwargs))
+                a, _ = _bound(sig, args, kwargs)
+                found = find_route(table, _key_of(sig, a)) if a is not None else None
                 if found is None:
                     return original(*args, **kwargs)
-                return self._serve(found, None, 0, original, sig, args, kwargs, remember)
+                return self._serve(found, None, 0, original, a, args, kwargs, remember)
 
             return routed_call
 

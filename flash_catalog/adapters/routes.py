@@ -88,11 +88,7 @@ class Route:
 
     def serve(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
               choice: int) -> Output:
-        """The op's body: alternative `choice`, the host (HOST), or whichever the mask check picks (CHECK_INSIDE).
-        A call whose data lost the 16-byte alignment it had at calibration (traced code cannot see it) runs the host."""
-        if self.key.aligned and not all(now or not then
-                                        for now, then in zip(alignment(query, key, value), self.key.aligned)):
-            choice = HOST
+        """Alternative `choice`, the host (HOST), or whichever the mask check picks (CHECK_INSIDE)."""
         if choice == CHECK_INSIDE and attn_mask is not None:
             if capturing(query):
                 oks = [alt.check.passes(attn_mask) if alt.check is not None else None for alt in self.alternatives]
@@ -101,6 +97,15 @@ class Route:
         if choice == HOST:
             return self._laid_out(self.run_host(query, key, value, attn_mask))
         return self._run(self.alternatives[max(choice, 0)], query, key, value, attn_mask)
+
+    def serve_traced(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attn_mask: torch.Tensor | None, choice: int) -> Output:
+        """The op's body: `serve`, after the check that traced code could not make (it cannot read data pointers):
+        a call whose data lost the 16-byte alignment it had at calibration runs the host."""
+        if self.key.aligned and not all(now or not then
+                                        for now, then in zip(alignment(query, key, value), self.key.aligned)):
+            choice = HOST
+        return self.serve(query, key, value, attn_mask, choice)
 
     def run_host(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attn_mask: torch.Tensor | None) -> Output:
@@ -234,7 +239,7 @@ def attention_op(route: str, query: torch.Tensor, key: torch.Tensor, value: torc
                  attn_mask: torch.Tensor | None, choice: int) -> torch.Tensor:
     """A bound attention call (tensors in the host's layout): the route's alternative `choice`, the host (-1), or
     what the mask check inside picks (-2)."""
-    return resolve(route).serve(query, key, value, attn_mask, choice)
+    return resolve(route).serve_traced(query, key, value, attn_mask, choice)
 
 
 @attention_op.register_fake
@@ -249,7 +254,7 @@ def attention_lse_op(route: str, query: torch.Tensor, key: torch.Tensor, value: 
                      attn_mask: torch.Tensor | None, choice: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A bound call that returns the log-sum-exp too (a ring-attention step): (output, log-sum-exp over the
     query's leading dims, float32); `choice` as for `attention_op`."""
-    return resolve(route).serve(query, key, value, attn_mask, choice)
+    return resolve(route).serve_traced(query, key, value, attn_mask, choice)
 
 
 @attention_lse_op.register_fake

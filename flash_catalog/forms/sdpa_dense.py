@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import functools
 import warnings
+from typing import Callable
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import SDPBackend
 
 from ..calls import AttentionCall
 from ..masks import ALL_PASS
@@ -26,13 +26,36 @@ LSE_CANDIDATES = {  # the backends whose aten op returns the log-sum-exp
 }
 
 
+_SDPA = torch._C._nn.scaled_dot_product_attention
+"""torch's SDPA itself, not the name `F.scaled_dot_product_attention`, which a router may stand in for."""
+
+
+_SWITCHES = tuple(
+    (get, put, getattr(SDPBackend, member))
+    for name, member in (("cudnn", "CUDNN_ATTENTION"), ("flash", "FLASH_ATTENTION"),
+                         ("mem_efficient", "EFFICIENT_ATTENTION"), ("math", "MATH"), ("overrideable", "OVERRIDEABLE"))
+    if (get := getattr(torch._C, f"_get_{name}_sdp_enabled", None)) is not None
+    and (put := getattr(torch._C, f"_set_sdp_use_{name}", None)) is not None and hasattr(SDPBackend, member))
+"""torch's SDPA backend switches (read, set, backend): what `sdpa_kernel` flips, without its context manager's
+Python at every call."""
+
+
+def pinned(backend: SDPBackend, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """`run()` with only `backend` enabled, the switches restored after (`sdpa_kernel([backend])`, cheaper)."""
+    prior = [get() for get, _, _ in _SWITCHES]
+    for _, put, member in _SWITCHES:
+        put(member is backend)
+    try:
+        return run()
+    finally:
+        for (_, put, _), on in zip(_SWITCHES, prior):
+            put(on)
+
+
 def run_sdpa(backend: SDPBackend, drop_mask: bool, call: AttentionCall) -> torch.Tensor:
-    with sdpa_kernel([backend]):
-        return F.scaled_dot_product_attention(
-            call.query, call.key, call.value,
-            attn_mask=None if drop_mask else call.attn_mask,
-            dropout_p=0.0, is_causal=call.is_causal, scale=call.scale, enable_gqa=call.enable_gqa,
-        )
+    return pinned(backend, lambda: _SDPA(call.query, call.key, call.value,
+                                         attn_mask=None if drop_mask else call.attn_mask, dropout_p=0.0,
+                                         is_causal=call.is_causal, scale=call.scale, enable_gqa=call.enable_gqa))
 
 
 def run_sdpa_lse(backend: SDPBackend, drop_mask: bool, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
