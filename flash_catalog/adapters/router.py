@@ -167,14 +167,9 @@ def host_only_reason(sig: CallSignature, a: dict[str, Any], served: tuple[str, .
     return None
 
 
-def static_key(sig: CallSignature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> StaticKey | None:
-    """The call's static key, or None when only the host may serve it (reads metadata only: safe to trace)."""
-    a, _ = _bound(sig, args, kwargs)
-    return _key_of(sig, a) if a is not None else None
-
-
 def _key_of(sig: CallSignature, a: dict[str, Any]) -> StaticKey | None:
-    """The static key of well-formed arguments by name, or None when only the host may serve them."""
+    """The static key of well-formed arguments by name, or None when only the host may serve them (reads metadata
+    only: safe to trace)."""
     if host_only_reason(sig, a) is not None:
         return None
     return StaticKey.of(sig.layout, a["query"], a["key"], a["value"], a["attn_mask"], a["is_causal"], a["scale"],
