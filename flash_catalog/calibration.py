@@ -133,40 +133,40 @@ class Calibration:
         if call is None or problem:
             record.reason = receipts.host_only(problem or "")
             return host()
-        slot.known[ordinal].add(call.static_key())
+        static = call.static_key()
+        slot.known[ordinal].add(static)
         if not self.attention_forms:
             record.reason = receipts.NO_FORMS.format(family="attention")
             return host()
         shape = f"q={dims(call.host_shape(call.query))}"
 
         def rehearse(runner: Runner, layout: tuple[int, ...]) -> Callable[[], Output]:
-            alternatives = (*self._alternatives.get((slot.path, ordinal, call.static_key()), ()),
-                            self._alternative(call, runner))
-            return rehearsal(unlisted_route(call.static_key(), original, call.static, alternatives, layout), reused)
+            alternatives = (*self._alternatives.get((slot.path, ordinal, static), ()),
+                            self._alternative(call, static, runner))
+            return rehearsal(unlisted_route(static, original, call.static, alternatives, layout), reused)
 
         decision = self._decide(site, record, shape, call.query.device, host,
                                 [attention_contender(form, site, call, rehearse) for form in self.attention_forms])
         if decision.winner is not None:
-            self._route(slot, ordinal, call, original, decision.winner.built.product, decision.winner.layout)
+            self._route(slot, ordinal, call, static, original, decision.winner.built.product,
+                        decision.winner.layout)
         self.staging.keep_only(self.staging_keys())
         return decision.host_out
 
-    def _alternative(self, call: AttentionCall, runner: Runner) -> Alternative:
+    def _alternative(self, call: AttentionCall, static: StaticKey, runner: Runner) -> Alternative:
         """The bound form for the call's mask structure, with the mask check (one per static key and structure)."""
         check = None
         if call.attn_mask is not None:
-            static = call.static_key()
             check = self._checks.get((static, call.mask))
             if check is None:
                 check = self._checks[(static, call.mask)] = MaskCheck.of(call.attn_mask, call.mask)
         return Alternative(call.mask, check, runner)
 
-    def _route(self, slot: SiteSlot, ordinal: int, call: AttentionCall, original: Callable[..., torch.Tensor],
-               runner: Runner, layout: tuple[int, ...]) -> None:
+    def _route(self, slot: SiteSlot, ordinal: int, call: AttentionCall, static: StaticKey,
+               original: Callable[..., torch.Tensor], runner: Runner, layout: tuple[int, ...]) -> None:
         """Add the bound form to the site's route for the call's static key (one alternative per mask structure)."""
-        static = call.static_key()
         alternatives = self._alternatives.setdefault((slot.path, ordinal, static), [])
-        alternatives.append(self._alternative(call, runner))
+        alternatives.append(self._alternative(call, static, runner))
         slot.table(ordinal)[static] = self.routes.intern(static, original, call.static, tuple(alternatives), layout)
         self.bound_keys.add(call.shape_key())
 

@@ -113,14 +113,17 @@ class MaskReuse:
         return cls([weakref.ref(_base(t)) for t in tensors if isinstance(t, torch.Tensor)])
 
     def note(self, mask: torch.Tensor) -> bool:
-        """Record a mask met by calibration; True when the host has shown that it reuses it."""
-        base = _base(mask)
-        version = mask._version if not mask.is_inference() else None
+        """Record a mask met by calibration; True when the host has shown that it reuses it (never for a mask with
+        no version counter: the run-time check cannot recognise it either)."""
+        identity = _identity(mask)
+        if identity is None:
+            return False
+        base, _, version = identity
         reused = any(ref() is base for ref in self.given) or any(
             ref() is base and seen == version for ref, seen in self.met)
-        if version is not None and not reused:
+        if not reused:
             self.met.append((weakref.ref(base), version))
-        return reused and version is not None
+        return reused
 
 
 def _base(t: torch.Tensor) -> torch.Tensor:
