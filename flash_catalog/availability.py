@@ -10,11 +10,12 @@ from typing import Any
 
 import torch
 
-from .implementations import ImportStatus, import_implementation
+from .implementations import Implementation, ImportStatus, import_implementation
 from .qualify import unmet_requirements
 from .specs import Spec
 
 HUB_REQUIREMENT = "kernels>=0.17"  # resolves [hub] specs (pip install 'flash_catalog[hub]')
+EMULATED = " (emulated, with allow_emulation=True)"
 
 
 @dataclass(frozen=True)
@@ -47,23 +48,31 @@ class Availability:
 
     @property
     def usable(self) -> bool:
-        return bool(self.devices)
+        return bool(self.devices) and not self.emulated_only
+
+    @property
+    def emulated_only(self) -> bool:
+        """Every device here runs only the form's emulation, which attach refuses without allow_emulation=True."""
+        return bool(self.devices) and all(d.endswith(EMULATED) for d in self.devices)
 
     def to_dict(self) -> dict[str, Any]:
         return {"form": self.spec.name, "family": self.spec.family, "usable": self.usable,
-                "devices": list(self.devices), "reasons": list(self.reasons), "notes": list(self.notes)}
+                "emulated_only": self.emulated_only, "devices": list(self.devices), "reasons": list(self.reasons),
+                "notes": list(self.notes)}
 
 
 def availability(spec: Spec, machine: Machine) -> Availability:
     """Whether `spec`'s form can run on `machine`, on which devices, and every reason it cannot elsewhere."""
-    blockers = _blockers(spec)
+    impl = import_implementation(spec)
+    blockers = _blockers(spec, impl)
     if blockers:
         return Availability(spec, (), tuple(blockers))
     env = spec.envelope
+    only = EMULATED if getattr(impl.cls, "emulation_only", False) else ""  # the artifact narrows the envelope
     devices: list[str] = []
     reasons: list[str] = []
     if "cpu" in env.devices:
-        devices.append("cpu")
+        devices.append(f"cpu{only}")
     else:
         reasons.append(f"CPU: not in its envelope (devices: {', '.join(d.upper() for d in env.devices)})")
     if "cuda" in env.devices:
@@ -72,16 +81,16 @@ def availability(spec: Spec, machine: Machine) -> Availability:
         for i, cap in enumerate(machine.cuda_capabilities):
             floor = env.min_capability
             if floor is None or cap >= floor:
-                devices.append(f"cuda:{i}")
+                devices.append(f"cuda:{i}{only}")
             elif env.emulation:
-                devices.append(f"cuda:{i} (emulated, with allow_emulation=True)")
+                devices.append(f"cuda:{i}{EMULATED}")
             else:
                 reasons.append(f"cuda:{i}: sm_{cap[0]}{cap[1]} below its sm>={floor[0]}{floor[1]}")
     notes = ("code from the hub loads only with attach(..., trust_remote_code=...)",) if spec.hub is not None else ()
     return Availability(spec, tuple(devices), tuple(reasons), notes)
 
 
-def _blockers(spec: Spec) -> list[str]:
+def _blockers(spec: Spec, impl: Implementation) -> list[str]:
     """Reasons the form runs nowhere here: an unmet requirement, an implementation that does not import."""
     out = []
     requires = spec.envelope.requires + ((HUB_REQUIREMENT,) if spec.hub is not None else ())
@@ -89,7 +98,6 @@ def _blockers(spec: Spec) -> list[str]:
         problem = unmet_requirements((requirement,))
         if problem:
             out.append(problem)
-    impl = import_implementation(spec)
     if impl.status is not ImportStatus.IMPORTED:
         out.append(f"implementation {spec.implementation}: {impl.detail}")
     return out

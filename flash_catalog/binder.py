@@ -165,14 +165,14 @@ def attach(model: nn.Module | Any, example: Example, *, attention_forms: Sequenc
         raise AttachError(f"attach failed while {stage}: {type(exc).__name__}: {exc}. "
                           f"The model was restored to the host.") from exc
     if not records:
-        log.warning("flash_catalog: %s has no attention or feed-forward site: the plan changes nothing",
+        log.warning("%s has no attention or feed-forward site: the plan changes nothing",
                     type(model).__name__)
     elif not any(r.outcome == "bound" for r in records):
-        log.info("flash_catalog: no site bound (%d sites); the receipts say why", len(records))
+        log.info("no site bound (%d sites); the receipts say why", len(records))
     clock = calibration.clock
     timings = AttachTimings(time.perf_counter() - started, calibration_s - clock.gating_s - clock.offload_s,
                             clock.gating_s, clock.offload_s, binding_s, dict(clock.first_use_s))
-    log.info("flash_catalog: %s", timings.describe())
+    log.info("%s", timings.describe())
     return Plan(
         sites=records,
         environment=here,

@@ -86,7 +86,7 @@ class Progress:
     def meet(self, site: str, shape: str) -> None:
         self.seen.add(site)
         of = f" of {self.total}" if self.total is not None else ""
-        log.info("flash_catalog: deciding %s at %s (site %d%s)", site, shape, len(self.seen), of)
+        log.info("deciding %s at %s (site %d%s)", site, shape, len(self.seen), of)
 
 
 @dataclass

@@ -6,13 +6,16 @@ names the value and the choices."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.metadata
 import importlib.util
 import json
+import logging
 import math
 import re
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from .catalog import Catalog
 from .specs import Spec, SpecError
@@ -37,6 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="flash-catalog",
         description="Bind measured-faster attention kernels to unmodified PyTorch models; detach exactly.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(title="commands")
 
     demo = sub.add_parser(
@@ -57,12 +61,15 @@ def _parser() -> argparse.ArgumentParser:
                            "catalog's order); see `flash-catalog specs list`")
     demo.add_argument("--ffn-forms", type=_names, default=None, metavar="NAMES",
                       help="comma-separated feed-forward forms (diffusers hosts; default: none, or the profile's)")
-    demo.add_argument("--profile", default=None, metavar="NAME", help="a named selection from specs/profiles")
+    demo.add_argument("--profile", default=None, metavar="NAME",
+                      help=f"a named selection of forms from specs/profiles: {_profile_names()}")
     demo.add_argument("--min-speedup", type=_number_at_least(0.0), default=None, metavar="RATIO",
                       help="speed gate: bind only at this ratio or better (default: each spec's, 1.02)")
     demo.add_argument("--runs", type=_integer_in(1, 1000), default=7, metavar="N",
                       help="timed runs of the host and of the attached model, alternating (default: 7)")
     demo.add_argument("--json", metavar="PATH", type=Path, default=None, help="write the plan (the receipt) as JSON")
+    demo.add_argument("-v", "--verbose", action="count", default=0,
+                      help="log what attach decides: -v at INFO (each site's decision), -vv at DEBUG")
     demo.set_defaults(run=_run_demo(demo))
 
     specs = sub.add_parser("specs", help="list the catalog, check spec files, show the forms usable here",
@@ -108,6 +115,23 @@ def _catalog_arguments(cmd: argparse.ArgumentParser, default: str = "the shipped
     cmd.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("flash_catalog")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed: running from a source tree)"
+
+
+def _profile_names() -> str:
+    """The shipped profiles' names, for --profile's help; the reason where they do not load."""
+    from .profiles import load_profiles
+
+    try:
+        return ", ".join(sorted(load_profiles()))
+    except SpecError:
+        return "(the shipped profiles do not load: flash-catalog specs check says why)"
+
+
 def _device(text: str) -> str:
     if not re.fullmatch(r"cpu|cuda(:\d+)?", text):
         raise argparse.ArgumentTypeError(f"invalid device {text!r}; choose from cpu, cuda, cuda:N")
@@ -147,8 +171,30 @@ def _run_demo(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace],
         options = _demo_options(parser, args)
         from .demo import run_demo
 
-        return run_demo(options)
+        with _logging_to_stderr(args.verbose):
+            return run_demo(options)
     return run
+
+
+@contextlib.contextmanager
+def _logging_to_stderr(verbose: int) -> Iterator[None]:
+    """-v: the library's INFO records on stderr (-vv: DEBUG), one line each, for this command only."""
+    if not verbose:
+        yield
+        return
+    logger = logging.getLogger("flash_catalog")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    level, propagate = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG if verbose > 1 else logging.INFO)
+    logger.propagate = False  # a root handler would print each record a second time
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate
 
 
 def _demo_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> DemoOptions:
@@ -238,9 +284,10 @@ def _run_usable(args: argparse.Namespace) -> int:
     width = max(len(r.spec.name) for r in rows)
     print(f"this machine: {machine.describe()}")
     for r in rows:
-        where = f"on {', '.join(r.devices)}" if r.usable else "nowhere here"
+        where = f"on {', '.join(r.devices)}" if r.devices else "nowhere here"
         why = "; ".join(r.reasons + r.notes)
-        print(f"{'usable' if r.usable else 'no':6}  {r.spec.name:{width}}  {where}" + (f"  ({why})" if why else ""))
+        status = "emulated" if r.emulated_only else "usable" if r.usable else "no"
+        print(f"{status:8}  {r.spec.name:{width}}  {where}" + (f"  ({why})" if why else ""))
     return 0
 
 

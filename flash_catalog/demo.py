@@ -7,10 +7,13 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from .plan import Plan
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,7 @@ class SideBySide:
 
         where = "a CPU demo figure" if device.type == "cpu" else f"a {device.type} demo figure"
         return (f"timing ({where}: a tiny model's forward, {len(self.host_s)} runs each, host and attached "
-                f"alternating; medians): {side('host', self.host_s)}, {side('attached', self.attached_s)} "
+                f"alternating; medians):\n    {side('host', self.host_s)}, {side('attached', self.attached_s)} "
                 f"-> {self.speedup:.2f}x")
 
 
@@ -97,10 +100,15 @@ def run_demo(options: DemoOptions) -> int:
     attached = _output(host.model, inputs)
     print(f"attached output vs host: max abs diff {float((attached - reference).abs().max()):.3e}, "
           f"fallbacks {sum(plan.fallbacks.values())}")
-    timing = time_side_by_side(lambda: twin(**inputs), lambda: host.model(**inputs), options.runs, options.device)
-    print(timing.describe(options.device))
-    if not plan.counts()["bound"]:
-        print("(nothing was bound: both sides ran the host's own path)")
+    for line in _unused_options(options, plan):
+        print(line)
+    if plan.counts()["bound"]:
+        timing = time_side_by_side(lambda: twin(**inputs), lambda: host.model(**inputs), options.runs,
+                                   options.device)
+        print(timing.describe(options.device))
+    else:
+        print("timing: skipped, nothing was bound (every site runs the host's own path: both sides are the host)\n"
+              "        --min-speedup 0 binds whatever qualifies, to try the machinery")
     detach(plan)
     if options.json is not None:
         print(f"receipt written to {plan.save(options.json)}")
@@ -112,6 +120,14 @@ def run_demo(options: DemoOptions) -> int:
     print("detach: host restored bit-exactly (outputs and state_dict equal)" if exact
           else "detach: MISMATCH after detach: the host was not restored exactly")
     return 0 if exact else 1
+
+
+def _unused_options(options: DemoOptions, plan: Plan) -> list[str]:
+    """Notes for options that had nothing to act on at this host."""
+    if options.ffn_forms and not any(site.kind == "ffn" for site in plan.sites):
+        return [f"note: --ffn-forms {','.join(options.ffn_forms)} was not tried: the tiny {options.model} host has "
+                f"no feed-forward site\n      (the hosts with one: ltx, wan, flux, legacy)"]
+    return []
 
 
 def _output(model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:

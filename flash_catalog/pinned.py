@@ -78,7 +78,7 @@ def _unregister(cudart: object, pointer: int) -> None:
 
 def _clear_error(error: object) -> None:
     """A failed runtime call leaves its error for the next launch check to raise: consume it here."""
-    log.debug("flash_catalog: cudaHostRegister/Unregister failed (%s); using torch's pinned allocator", error)
+    log.debug("cudaHostRegister/Unregister failed (%s); using torch's pinned allocator", error)
     try:
         torch.cuda.synchronize()
         torch.empty(1, device="cuda").zero_()  # a launch check reads (and clears) the pending error

@@ -72,7 +72,7 @@ class SavedDecisions:
         source = plan.source or "the given plan"
         difference = environment_difference(plan.environment, here)
         if difference is not None:
-            log.warning("flash_catalog: %s cannot serve this attach (%s): every shape is re-decided", source,
+            log.warning("%s cannot serve this attach (%s): every shape is re-decided", source,
                         difference)
         shapes = {(site.name, _index(shape.key)): shape for site in plan.sites for shape in site.shapes
                   if shape.key is not None}

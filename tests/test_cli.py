@@ -17,7 +17,7 @@ def test_demo_default_host_binds_a_grouped_form_and_prints_its_timing(capsys):
     assert "host: tiny tirex" in out
     assert re.search(r"attns\.0#0 .* bound +grouped_batch", out), out
     timing = re.search(r"timing \(a CPU demo figure: a tiny model's forward, 2 runs each, host and attached "
-                       r"alternating; medians\): host ([\d.]+) ms \(range [\d.]+-[\d.]+\), attached ([\d.]+) ms "
+                       r"alternating; medians\):\n    host ([\d.]+) ms \(range [\d.]+-[\d.]+\), attached ([\d.]+) ms "
                        r"\(range [\d.]+-[\d.]+\) -> ([\d.]+)x", out)
     assert timing, out
     host_ms, attached_ms, ratio = map(float, timing.groups())
@@ -27,7 +27,7 @@ def test_demo_default_host_binds_a_grouped_form_and_prints_its_timing(capsys):
 
 def test_demo_on_a_diffusers_host_writes_the_receipt(capsys, tmp_path):
     receipt = tmp_path / "receipt.json"
-    assert main(["demo", "--model", "wan", "--runs", "1", "--json", str(receipt)]) == 0
+    assert main(["demo", "--model", "wan", "--runs", "1", "--min-speedup", "0", "--json", str(receipt)]) == 0
     out = capsys.readouterr().out
     assert "host: tiny wan" in out and "blocks.0.attn2#1" in out and "timing (a CPU demo figure" in out
     assert "detach: host restored bit-exactly (outputs and state_dict equal)" in out
@@ -132,9 +132,11 @@ def test_specs_usable_says_where_each_form_runs_and_why_not(capsys):
     assert main(["specs", "usable"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("this machine: CPU only (torch ") or out.startswith("this machine: CPU and ")
-    assert re.search(r"usable  sdpa_dense +on cpu", out)
+    assert re.search(r"usable +sdpa_dense +on cpu", out)
+    # refused without allow_emulation=True everywhere: not "usable"
+    assert re.search(r"emulated +nvfp4_w4a4 +on cpu \(emulated, with allow_emulation=True\)", out)
     if "CPU only" in out:
-        assert re.search(r"no      sage2_fp8 +nowhere here  \(CPU: not in its envelope \(devices: CUDA\); "
+        assert re.search(r"no +sage2_fp8 +nowhere here  \(CPU: not in its envelope \(devices: CUDA\); "
                          r"CUDA: torch sees no CUDA device\)", out)
     assert main(["specs", "usable", "--json"]) == 0
     forms = {f["form"]: f for f in json.loads(capsys.readouterr().out)["forms"]}
@@ -148,3 +150,40 @@ def test_specs_list_of_a_bad_file_prints_every_problem(capsys, tmp_path):
     err = capsys.readouterr().err
     assert err.startswith("error: 5 problem(s) in the spec files (flash-catalog specs check says more):")
     assert f"{bad}: field 'name' is 'X'; allowed: lower_snake_case" in err
+
+
+def test_demo_times_nothing_when_nothing_was_bound(capsys):
+    assert main(["demo", "--model", "legacy", "--runs", "2", "--min-speedup", "1000"]) == 0
+    out = capsys.readouterr().out
+    assert "timing: skipped, nothing was bound" in out and "--min-speedup 0 binds whatever qualifies" in out
+    assert not re.search(r"-> [\d.]+x", out), out  # no ratio of the host against itself
+
+
+def test_demo_says_when_ffn_forms_have_no_site_to_act_on(capsys):
+    assert main(["demo", "--ffn-forms", "int8_rowwise", "--runs", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "note: --ffn-forms int8_rowwise was not tried: the tiny tirex host has no feed-forward site" in out
+
+
+def test_demo_verbose_logs_each_decision_once_prefixed(capsys):
+    import logging
+
+    logger = logging.getLogger("flash_catalog")
+    before = (logger.level, logger.propagate, list(logger.handlers))
+    assert main(["demo", "--runs", "1", "-v"]) == 0
+    assert (logger.level, logger.propagate, list(logger.handlers)) == before  # nothing left configured
+    err = capsys.readouterr().err
+    assert re.search(r"^INFO flash_catalog: deciding attns\.0#0 at q=", err, re.M), err
+
+
+def test_version_and_the_profile_names_in_help(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"flash-catalog {version('flash_catalog')}"
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "a named selection of forms from specs/profiles: fp8_accurate, fp8_balance," in out
+    assert "int8_balance_sage" in out

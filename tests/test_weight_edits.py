@@ -101,10 +101,10 @@ def test_a_bound_site_whose_weights_change_warns_once_and_runs_the_host_with_the
         assert torch.equal(run(host.model, inputs), expected)
     # every site warns once, naming itself; a site whose own module was replaced (a projection, by replace_modules)
     # warns when replaced, and is called no more
-    warnings = [r.getMessage() for r in caplog.records if "runs the host from now on" in r.getMessage()]
-    assert sorted(w.split(":")[1].strip() for w in warnings) == sorted(bound)
+    warnings = [r for r in caplog.records if "runs the host from now on" in r.getMessage()]
+    assert sorted(r.args[0] for r in warnings) == sorted(bound)  # the site each names
     in_model = [p for p in bound if STATE in host.model.get_submodule(p).__dict__]
-    assert all(f"its {form} weights were quantised from the old ones" in w for w in warnings)
+    assert all(f"its {form} weights were quantised from the old ones" in r.getMessage() for r in warnings)
     assert sum(plan.routed.values()) == 4 and sum(plan.fallbacks.values()) == 2 * len(in_model)
     assert all(torch.equal(v, twin.state_dict()[k]) for k, v in host.model.state_dict().items())
 
@@ -145,7 +145,7 @@ def test_a_real_peft_lora_loaded_and_fused_after_attach_is_served_by_the_host(ca
         host.model.fuse_lora()
         twin.fuse_lora()
         assert torch.equal(run(host.model, inputs), run(twin, inputs))
-    warned = sorted(r.getMessage().split(":")[1].strip() for r in caplog.records
+    warned = sorted(r.args[0] for r in caplog.records
                     if "runs the host from now on" in r.getMessage())
     assert warned == bound
     detach(plan)

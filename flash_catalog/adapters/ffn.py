@@ -95,7 +95,7 @@ class FfnSite:
         if not torch.compiler.is_compiling() and self.calibrate is None and (
                 bound or not (plain and ffn_key(x) in self.known)):
             if not self.fallbacks and self.replacement is not None:
-                log.warning("flash_catalog: %s runs the host: an input calibration did not qualify", self.path)
+                log.warning("%s runs the host: an input calibration did not qualify", self.path)
             self.fallbacks += 1
         return self.host_forward(x, *args, **kwargs)
 
@@ -105,7 +105,7 @@ class FfnSite:
         form is not re-quantised: its accuracy was gated on the old weights only."""
         if self.replacement is None:
             return
-        log.warning("flash_catalog: %s: %s after attach; it runs the host from now on (its %s weights were "
+        log.warning("%s: %s after attach; it runs the host from now on (its %s weights were "
                     "quantised from the old ones). Attach again to bind the new weights", self.path, change,
                     self.form)
         self.replacement = None

@@ -415,7 +415,7 @@ class AttentionRouter:
         site = f"{slot.path}#{ordinal}"
         if not self.fallbacks[site]:
             why = why or _unmet(key, known)
-            log.warning("flash_catalog: %s runs the host: %s", site, why)
+            log.warning("%s runs the host: %s", site, why)
         self._count(self.fallbacks, site)
 
     def stop(self) -> None:

@@ -65,6 +65,8 @@ def device_rule(x: torch.Tensor, allow_emulation: bool) -> str | None:
 class NvFp4Ffn(FfnForm):
     """NVFP4 W4A4 for diffusers FeedForward hosts; exact emulation only, behind `allow_emulation`."""
 
+    emulation_only = True  # read by `specs usable`: no device runs it without allow_emulation=True
+
     def rule(self, module: nn.Module, x: torch.Tensor) -> str | None:
         text = device_rule(x, self.allow_emulation)
         if text is not None:
