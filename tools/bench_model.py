@@ -1,5 +1,6 @@
-"""Full-depth diffusers video and image transformers, random weights, real configs: time per denoising step, host vs
-attached vs a torchao FP8 peer.
+"""Full-depth diffusers video and image transformers, random weights, real configs: ms per step, host/attached/peer.
+
+Per denoising step, the host against flash_catalog's attach and against a torchao FP8 peer.
 
 Models (one forward of the transformer under `torch.no_grad()` is one step; batch 1, bf16, inputs from a seeded
 generator on the device, at noise level 0.5: timestep 500 on the 1000 scale, as each pipeline passes it):
@@ -53,6 +54,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import statistics
 import sys
@@ -468,11 +470,34 @@ def time_steps(model: nn.Module, inputs: dict[str, Any], device: torch.device, w
     return out
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def common_args(p: argparse.ArgumentParser, tool: str) -> None:
+    """The model, size, device, cast, seed and JSON arguments (this tool's and tools/bench_drift.py's)."""
     p.add_argument("--model", choices=sorted(FULL), required=True)
     p.add_argument("--tiny", action="store_true", help="2 layers, tiny dims and token counts (smoke test)")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--cast", choices=("pretrained", "all"), default="pretrained",
+                   help="bf16 as from_pretrained loads it (fp32-kept modules stay fp32) or every tensor")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None, help=f"default {tool}_<model>[_tiny].json")
+
+
+def chosen(p: argparse.ArgumentParser, value: str, choices: tuple[str, ...], what: str) -> list[str]:
+    """A comma-separated subset of `choices`; anything else is a usage error."""
+    picked = [v for v in value.split(",") if v]
+    unknown = sorted(set(picked) - set(choices))
+    if unknown:
+        p.error(f"unknown {what} {unknown}; choose from {', '.join(choices)}")
+    return picked
+
+
+def finish_common(args: argparse.Namespace, tool: str) -> argparse.Namespace:
+    args.json = args.json or Path(f"{tool}_{args.model}{'_tiny' if args.tiny else ''}.json")
+    return args
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    common_args(p, "bench_model")
     p.add_argument("--profiles", default="default,int8_balance_sage,fp8_balance_proj",
                    help="comma-separated; 'default' = attach with no profile; 'none' = no attach")
     p.add_argument("--rows", default=",".join(ROWS),
@@ -485,24 +510,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="expected first compiled call until the host's compile is measured")
     p.add_argument("--attach-estimate-s", type=float, default=None,
                    help="least expected attach seconds (default 30 + 6 host steps)")
-    p.add_argument("--cast", choices=("pretrained", "all"), default="pretrained",
-                   help="bf16 as from_pretrained loads it (fp32-kept modules stay fp32) or every tensor")
     p.add_argument("--recompile-limit", type=int, default=None, help="torch._dynamo.config.recompile_limit")
     p.add_argument("--reattach", action="store_true",
                    help="after each profile's detach, attach it once more from the first attach's receipt "
                         "(plan=, as a saved plan is reused: no paired timing, accuracy gated at every site), "
                         "then detach")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, default=None, help="default bench_model_<model>[_tiny].json")
     args = p.parse_args(argv)
-    rows = [r for r in args.rows.split(",") if r]
-    unknown = sorted(set(rows) - set(ROWS))
-    if unknown or args.steps < 1:
-        p.error(f"unknown rows {unknown}; choose from {', '.join(ROWS)}" if unknown else "--steps must be >= 1")
-    args.rows = rows
+    args.rows = chosen(p, args.rows, ROWS, "rows")
+    if args.steps < 1:
+        p.error("--steps must be >= 1")
     args.profiles = [] if args.profiles == "none" else [s for s in args.profiles.split(",") if s]
-    args.json = args.json or Path(f"bench_model_{args.model}{'_tiny' if args.tiny else ''}.json")
-    return args
+    return finish_common(args, "bench_model")
 
 
 def header(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
@@ -818,20 +836,35 @@ def params(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
 
 
-def print_tables(data: dict[str, Any]) -> None:
+Column = tuple[str, str, Callable[[dict[str, Any]], Any]]  # header, format spec (its width the column's), value
+
+
+def title(data: dict[str, Any], detail: str = "") -> str:
+    """The tables' heading: the model, `detail`, the machine and the versions."""
     env, m = data["environment"], data["model"]
-    print(f"\n{m['name']}{' (tiny)' if m['tiny'] else ''}: {m['class']} {params(m['params'])} params, "
-          f"{m['tokens']} {m['token_kind']} tokens; {env.get('device_name')}; torch {env['torch']}, "
-          f"triton {env['triton']}, diffusers {env['diffusers']}; {env['date']}")
-    print(f"{'row':18} {'profile':18} {'ms/step':>9} {'compile s':>9} {'x eager':>7} {'x comp.':>7} "
-          f"{'cos vs eager':>12} steps ms")
-    for r in data["rows"]:
-        if r.get("status") != "ok":
-            print(f"{r['row']:18} {r['profile'] or '-':18} {short(r.get('status'))}")
-            continue
-        print(f"{r['row']:18} {r['profile'] or '-':18} {fmt(r.get('ms'), '9.1f')} {fmt(r.get('compile_s'), '9.1f')} "
-              f"{fmt(r.get('x_host_eager'), '7.3f')} {fmt(r.get('x_host_compiled'), '7.3f')} "
-              f"{fmt(r.get('cos_vs_host_eager'), '12.7f')} {' '.join(f'{t:.0f}' for t in r.get('steps_ms', []))}")
+    return (f"\n{m['name']}{' (tiny)' if m['tiny'] else ''}: {m['class']} {params(m['params'])} params, "
+            f"{m['tokens']} {m['token_kind']} tokens; {detail}{env.get('device_name')}; torch {env['torch']}, "
+            f"triton {env['triton']}, diffusers {env['diffusers']}; {env['date']}")
+
+
+def print_rows(rows: list[dict[str, Any]], columns: list[Column], first: str = "row", width: int = 18) -> None:
+    """One line a row: its name and profile, then the columns, or its status where it did not run."""
+    widths = [int(re.match(r"\+?(\d*)", spec).group(1) or 0) for _, spec, _ in columns]
+    print(f"{first:{width}} {'profile':18} " + " ".join(h.rjust(w) for (h, _, _), w in zip(columns, widths)))
+    for r in rows:
+        lead = f"{r['row']:{width}} {r['profile'] or '-':18}"
+        done = r.get("status") == "ok"
+        print(f"{lead} " + (" ".join(fmt(value(r), spec) for _, spec, value in columns) if done
+                            else short(r.get("status"))))
+
+
+def print_tables(data: dict[str, Any]) -> None:
+    print(title(data))
+    print_rows(data["rows"], [
+        ("ms/step", "9.1f", lambda r: r.get("ms")), ("compile s", "9.1f", lambda r: r.get("compile_s")),
+        ("x eager", "7.3f", lambda r: r.get("x_host_eager")), ("x comp.", "7.3f", lambda r: r.get("x_host_compiled")),
+        ("cos vs eager", "12.7f", lambda r: r.get("cos_vs_host_eager")),
+        ("steps ms", "s", lambda r: " ".join(f"{t:.0f}" for t in r.get("steps_ms", [])))])
     if not data["profiles"]:
         return
     print(f"\n{'profile':18} {'attach s':>8} {'receipt s':>9} {'peak+ GB':>8} {'resid. GB':>9} {'b/d/r/h':>11} "
