@@ -20,7 +20,8 @@ generator on the device, at noise level 0.5: timestep 500 on the 1000 scale, as 
   has it (38 layers, 38 heads x 64, caption_projection_dim 2432, joint_attention_dim 4096, pooled 2048, patch 2,
   pos_embed_max_size 192, qk_norm rms_norm, no dual-attention layers; 8.1B); 1024 x 1024: latent (1, 16, 128, 128)
   -> 4096 tokens, 333 text tokens of 4096 (77 CLIP + 256 T5: the pipeline's max_sequence_length 256), pooled
-  (1, 2048), timestep 500;
+  (1, 2048), timestep 500 (the pipeline's classifier-free guidance runs batch 2 through one forward: timed at
+  batch 1, as every model here);
 - `qwenimage`: Qwen-Image, `QwenImageTransformer2DModel` as Qwen/Qwen-Image's transformer/config.json has it (60
   layers, 24 heads x 128, joint_attention_dim 3584, in_channels 64, out_channels 16, patch 2, axes_dims_rope
   (16, 56, 56), no guidance embedding; 20.4B); 1328 x 1328: the 166 x 166 x 16 latent packed 2 x 2 into 83 x 83 =
