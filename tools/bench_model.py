@@ -1,25 +1,51 @@
-"""Full-depth diffusers video transformers, random weights, real configs: time per denoising step, host vs attached.
+"""Full-depth diffusers video and image transformers, random weights, real configs: ms per step, host/attached/peer.
+
+Per denoising step, the host against flash_catalog's attach and against a torchao FP8 peer.
 
 Models (one forward of the transformer under `torch.no_grad()` is one step; batch 1, bf16, inputs from a seeded
-generator on the device, timestep 500):
+generator on the device, at noise level 0.5: timestep 500 on the 1000 scale, as each pipeline passes it):
 - `wan480` / `wan720`: `WanTransformer3DModel()` at its defaults (Wan 2.1 T2V 14B: 40 layers, 40 heads x 128, FFN
   13824), latents (1, 16, 21, 60, 104) -> 32760 tokens / (1, 16, 21, 90, 160) -> 75600 tokens, text (1, 512, 4096);
 - `ltx2`: `LTX2VideoTransformer3DModel()` at its defaults (48 layers, video 32 x 128, audio 32 x 64), 24 x 32 x 32 =
   24576 video tokens (185 frames at 1024 x 1024), 193 audio tokens (that clip's 7.7 s at 25 audio latents per
   second, as the LTX-2 pipeline counts them), text (1, 1024, 3840) for both encoders, with the pipeline's two text
-  masks (bool ones: nothing is padded; the model turns them into all-zero additive masks).
+  masks (bool ones: nothing is padded; the model turns them into all-zero additive masks);
+- `flux`: FLUX.1-dev, `FluxTransformer2DModel` as black-forest-labs/FLUX.1-dev's transformer/config.json has it
+  (19 double + 38 single blocks, 24 heads x 128, joint_attention_dim 4096, pooled 768, in_channels 64, patch 1,
+  axes_dims_rope (16, 56, 56), guidance_embeds true; 11.9B); 1024 x 1024: the 128 x 128 x 16 latent packed 2 x 2
+  into 4096 tokens of 64, image ids (0, row, column), 512 T5 tokens of 4096 and 512 zero text ids, CLIP pooled
+  (1, 768), guidance 3.5 (FluxPipeline's defaults: max_sequence_length 512, guidance_scale 3.5), timestep 0.5
+  (the pipeline passes t / 1000);
+- `sd35`: SD3.5 Large, `SD3Transformer2DModel` as stabilityai/stable-diffusion-3.5-large's transformer/config.json
+  has it (38 layers, 38 heads x 64, caption_projection_dim 2432, joint_attention_dim 4096, pooled 2048, patch 2,
+  pos_embed_max_size 192, qk_norm rms_norm, no dual-attention layers; 8.1B); 1024 x 1024: latent (1, 16, 128, 128)
+  -> 4096 tokens, 333 text tokens of 4096 (77 CLIP + 256 T5: the pipeline's max_sequence_length 256), pooled
+  (1, 2048), timestep 500 (the pipeline's classifier-free guidance runs batch 2 through one forward: timed at
+  batch 1, as every model here);
+- `qwenimage`: Qwen-Image, `QwenImageTransformer2DModel` as Qwen/Qwen-Image's transformer/config.json has it (60
+  layers, 24 heads x 128, joint_attention_dim 3584, in_channels 64, out_channels 16, patch 2, axes_dims_rope
+  (16, 56, 56), no guidance embedding; 20.4B); 1328 x 1328: the 166 x 166 x 16 latent packed 2 x 2 into 83 x 83 =
+  6889 tokens of 64, img_shapes [[(1, 83, 83)]], 512 Qwen2.5-VL tokens of 3584 (the pipeline's max_sequence_length;
+  a real prompt is shorter, the text is not padded to it) and no text mask (the pipeline passes none when nothing
+  is padded), timestep 0.5 (t / 1000). Its true CFG (true_cfg_scale 4) runs two such forwards per step.
 
 Rows, side by side in one process: `host_eager`; `host_compiled` (diffusers' `compile_repeated_blocks(fullgraph=True)`;
-its first call is the compile, reported as seconds); then for each profile: `attach` on the (compiled) model, timed,
-with its peak extra and resident device memory; `attached_eager` (under `torch.compiler.set_stance("force_eager")`);
-`attached_compiled` (first call = the recompile); `detach`, then the exactness checks: eager and compiled outputs
-bit-equal to the host's, and the state dict equal to a fingerprint taken before any attach (per tensor: dtype, shape,
-device, and the float64 sum and 16 strided elements; nothing is copied whole). Each row: median ms over `--steps`
-timed calls. Rows that would not finish within `--budget-s` (estimated from the host's step time) are skipped.
-The JSON is rewritten after every row; the tables come last.
+its first call is the compile, reported as seconds; SD3Transformer2DModel has no `_repeated_blocks` in diffusers
+0.42.1, so its `_no_split_modules`, JointTransformerBlock, are given as them); then for each profile: `attach` on the
+(compiled) model, timed, with its peak extra and resident device memory; `attached_eager` (under
+`torch.compiler.set_stance("force_eager")`); `attached_compiled` (first call = the recompile); `detach`, then the
+exactness checks: eager and compiled outputs bit-equal to the host's, and the state dict equal to a fingerprint taken
+before any attach (per tensor: dtype, shape, device, and the float64 sum and 16 strided elements; nothing is copied
+whole); last, `peer_compiled`: the model built again from the seed (its fingerprint checked against the host's),
+torchao's `quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))` on every bf16
+`nn.Linear`, and the same regional compile; on CUDA with torchao only (a benchmark-only extra: `pip install
+'flash_catalog[bench]'`), else skipped with the reason. It runs last because torchao sets its recommended inductor
+options for the whole process. Each row: median ms over `--steps` timed calls and its output's cosine against the
+host eager output. Rows that would not finish within `--budget-s` (estimated from the host's step time) are
+skipped. The JSON is rewritten after every row; the tables come last.
 
     python tools/bench_model.py --model wan480 [--profiles default,int8_balance_sage,fp8_balance_proj]
-        [--rows host_eager,host_compiled,attached_eager,attached_compiled] [--steps 3] [--warmup 1]
+        [--rows host_eager,host_compiled,attached_eager,attached_compiled,peer_compiled] [--steps 3] [--warmup 1]
         [--budget-s 540] [--json bench_model_wan480.json]
     python tools/bench_model.py --model ltx2 --tiny --device cpu --steps 1   # smoke test: 2 layers, tiny dims
 """
@@ -29,6 +55,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import statistics
 import sys
@@ -50,7 +77,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from flash_catalog import Plan, attach, detach  # noqa: E402
 from flash_catalog.environment import environment  # noqa: E402
 
-ROWS = ("host_eager", "host_compiled", "attached_eager", "attached_compiled")
+ROWS = ("host_eager", "host_compiled", "attached_eager", "attached_compiled", "peer_compiled")
 DTYPE = torch.bfloat16
 SAMPLES = 16  # strided elements per tensor in the state-dict fingerprint
 GB = 2**30
@@ -58,7 +85,8 @@ GB = 2**30
 
 @dataclass(frozen=True)
 class Geometry:
-    """Latent video frames x height x width, text tokens, audio tokens (LTX-2 only)."""
+    """Latent frames x height x width (before any patching or packing; 1 frame for the image models), text tokens,
+    audio tokens (LTX-2 only)."""
     frames: int
     height: int
     width: int
@@ -67,15 +95,120 @@ class Geometry:
 
 
 FULL = {"wan480": Geometry(21, 60, 104, 512), "wan720": Geometry(21, 90, 160, 512),
-        "ltx2": Geometry(24, 32, 32, 1024, audio=193)}
-TINY = {"wan480": Geometry(2, 8, 8, 16), "wan720": Geometry(2, 8, 12, 16), "ltx2": Geometry(2, 8, 8, 16, audio=9)}
-TINY_CONFIGS = {  # the sizes of flash_catalog/tiny_hosts.py; the full models take every default
-    "wan": dict(num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4, text_dim=16, ffn_dim=32,
-                num_layers=2, rope_max_seq_len=32),
-    "ltx2": dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8, cross_attention_dim=16,
-                 audio_in_channels=4, audio_out_channels=4, audio_num_attention_heads=2, audio_attention_head_dim=4,
-                 audio_cross_attention_dim=8, num_layers=2, caption_channels=16),
+        "ltx2": Geometry(24, 32, 32, 1024, audio=193), "flux": Geometry(1, 128, 128, 512),
+        "sd35": Geometry(1, 128, 128, 333), "qwenimage": Geometry(1, 166, 166, 512)}
+TINY = {"wan480": Geometry(2, 8, 8, 16), "wan720": Geometry(2, 8, 12, 16), "ltx2": Geometry(2, 8, 8, 16, audio=9),
+        "flux": Geometry(1, 8, 8, 16), "sd35": Geometry(1, 8, 8, 12), "qwenimage": Geometry(1, 8, 8, 16)}
+Randn = Callable[..., torch.Tensor]
+
+
+def wan_inputs(cfg: Any, geo: Geometry, randn: Randn, t: torch.Tensor) -> tuple[dict[str, Any], int]:
+    p_t, p_h, p_w = cfg.patch_size
+    inputs = {"hidden_states": randn(1, cfg.in_channels, geo.frames, geo.height, geo.width), "timestep": t,
+              "encoder_hidden_states": randn(1, geo.text, cfg.text_dim), "return_dict": False}
+    return inputs, (geo.frames // p_t) * (geo.height // p_h) * (geo.width // p_w)
+
+
+def ltx2_inputs(cfg: Any, geo: Geometry, randn: Randn, t: torch.Tensor) -> tuple[dict[str, Any], int]:
+    tokens = (geo.frames // cfg.patch_size_t) * (geo.height // cfg.patch_size) * (geo.width // cfg.patch_size)
+    mask = torch.ones(1, geo.text, device=t.device, dtype=torch.bool)
+    inputs = {"hidden_states": randn(1, tokens, cfg.in_channels),
+              "audio_hidden_states": randn(1, geo.audio, cfg.audio_in_channels),
+              "encoder_hidden_states": randn(1, geo.text, cfg.caption_channels),
+              "audio_encoder_hidden_states": randn(1, geo.text, cfg.caption_channels),
+              "timestep": t, "encoder_attention_mask": mask, "audio_encoder_attention_mask": mask,
+              "num_frames": geo.frames, "height": geo.height, "width": geo.width, "fps": 24.0,
+              "audio_num_frames": geo.audio, "return_dict": False}
+    return inputs, tokens
+
+
+def flux_inputs(cfg: Any, geo: Geometry, randn: Randn, t: torch.Tensor) -> tuple[dict[str, Any], int]:
+    """As FluxPipeline makes them: the latent packed 2 x 2 into tokens of `in_channels` (16 x 4), image ids (0, row,
+    column) of the packed grid, zero text ids, and the distilled guidance 3.5 (the pipeline's default)."""
+    h, w = geo.height // 2, geo.width // 2
+    ids = torch.zeros(h, w, 3)
+    ids[..., 1] += torch.arange(h)[:, None]
+    ids[..., 2] += torch.arange(w)[None, :]
+    inputs = {"hidden_states": randn(1, h * w, cfg.in_channels),
+              "encoder_hidden_states": randn(1, geo.text, cfg.joint_attention_dim),
+              "pooled_projections": randn(1, cfg.pooled_projection_dim), "timestep": t,
+              "img_ids": ids.reshape(h * w, 3).to(t.device, DTYPE),
+              "txt_ids": torch.zeros(geo.text, 3, device=t.device, dtype=DTYPE), "return_dict": False}
+    if cfg.guidance_embeds:
+        inputs["guidance"] = torch.full((1,), 3.5, device=t.device)
+    return inputs, h * w
+
+
+def sd3_inputs(cfg: Any, geo: Geometry, randn: Randn, t: torch.Tensor) -> tuple[dict[str, Any], int]:
+    inputs = {"hidden_states": randn(1, cfg.in_channels, geo.height, geo.width),
+              "encoder_hidden_states": randn(1, geo.text, cfg.joint_attention_dim),
+              "pooled_projections": randn(1, cfg.pooled_projection_dim), "timestep": t, "return_dict": False}
+    return inputs, (geo.height // cfg.patch_size) * (geo.width // cfg.patch_size)
+
+
+def qwenimage_inputs(cfg: Any, geo: Geometry, randn: Randn, t: torch.Tensor) -> tuple[dict[str, Any], int]:
+    """As QwenImagePipeline makes them: the latent packed 2 x 2, `img_shapes` of the packed grid, no text mask (the
+    pipeline passes none when no prompt token is padding)."""
+    h, w = geo.height // 2, geo.width // 2
+    inputs = {"hidden_states": randn(1, h * w, cfg.in_channels),
+              "encoder_hidden_states": randn(1, geo.text, cfg.joint_attention_dim), "timestep": t,
+              "img_shapes": [[(1, h, w)]], "return_dict": False}
+    return inputs, h * w
+
+
+@dataclass(frozen=True)
+class Family:
+    """A diffusers transformer class, its published configuration (empty: the class's defaults are it) and a tiny
+    one, the inputs its pipeline makes, the pipeline's timestep for noise level sigma (`sigma * timestep_scale`), and
+    the inputs a sampler steps (in the order of the outputs, their velocities)."""
+    cls: str
+    inputs: Callable[[Any, Geometry, Randn, torch.Tensor], tuple[dict[str, Any], int]]
+    tiny: dict[str, Any]
+    config: dict[str, Any] = field(default_factory=dict)
+    timestep_scale: float = 1000.0
+    latents: tuple[str, ...] = ("hidden_states",)
+    kind: str = "video"
+
+
+FAMILIES = {  # the tiny sizes of flash_catalog/tiny_hosts.py where it has the family
+    "wan": Family("WanTransformer3DModel", wan_inputs, dict(
+        num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4, text_dim=16, ffn_dim=32,
+        num_layers=2, rope_max_seq_len=32)),
+    "ltx2": Family("LTX2VideoTransformer3DModel", ltx2_inputs, dict(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8, cross_attention_dim=16,
+        audio_in_channels=4, audio_out_channels=4, audio_num_attention_heads=2, audio_attention_head_dim=4,
+        audio_cross_attention_dim=8, num_layers=2, caption_channels=16),
+        latents=("hidden_states", "audio_hidden_states")),
+    # black-forest-labs/FLUX.1-dev, transformer/config.json
+    "flux": Family("FluxTransformer2DModel", flux_inputs, dict(
+        in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(4, 4, 8)),
+        config=dict(patch_size=1, in_channels=64, out_channels=None, num_layers=19, num_single_layers=38,
+                    attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096,
+                    pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=(16, 56, 56)),
+        timestep_scale=1.0, kind="image"),
+    # stabilityai/stable-diffusion-3.5-large, transformer/config.json (no dual attention layers: those are Medium's)
+    "sd3": Family("SD3Transformer2DModel", sd3_inputs, dict(
+        sample_size=8, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=2,
+        joint_attention_dim=32, caption_projection_dim=16, pooled_projection_dim=16, pos_embed_max_size=16,
+        qk_norm="rms_norm"),
+        config=dict(sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=38,
+                    attention_head_dim=64, num_attention_heads=38, joint_attention_dim=4096,
+                    caption_projection_dim=2432, pooled_projection_dim=2048, pos_embed_max_size=192,
+                    dual_attention_layers=(), qk_norm="rms_norm"),
+        kind="image"),
+    # Qwen/Qwen-Image, transformer/config.json (its pooled_projection_dim 768 is no argument of the class)
+    "qwenimage": Family("QwenImageTransformer2DModel", qwenimage_inputs, dict(
+        in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=32, axes_dims_rope=(4, 6, 6)),
+        config=dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
+                    num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False,
+                    axes_dims_rope=(16, 56, 56)),
+        timestep_scale=1.0, kind="image"),
 }
+FAMILY_OF = {"wan480": "wan", "wan720": "wan", "ltx2": "ltx2", "flux": "flux", "sd35": "sd3",
+             "qwenimage": "qwenimage"}
+SIGMA = 0.5  # the noise level of the timed steps: timestep 500 on the 1000 scale
 
 
 def log(message: str) -> None:
@@ -103,21 +236,26 @@ def cast_like_pretrained(model: nn.Module, mode: str) -> None:
                 tensor.data = tensor.data.to(torch.float32 if any(k in name.split(".") for k in keep) else DTYPE)
 
 
+def family(name: str) -> Family:
+    return FAMILIES[FAMILY_OF[name]]
+
+
 def build(name: str, tiny: bool, device: torch.device, seed: int, cast: str,
           latent_frames: int | None = None) -> tuple[nn.Module, dict[str, Any], int]:
-    """The model (random weights, eval, on `device`), its forward kwargs, and its video token count; `latent_frames`
-    in place of the geometry's: a longer or shorter clip at the same resolution."""
-    from diffusers import LTX2VideoTransformer3DModel, WanTransformer3DModel
+    """The model (random weights, eval, on `device`), its forward kwargs at noise level SIGMA, and its video (image)
+    token count; `latent_frames` in place of the geometry's: a longer or shorter clip at the same resolution. The
+    same arguments build the same weights and inputs again."""
+    import diffusers
 
-    family = "ltx2" if name == "ltx2" else "wan"
-    cls = LTX2VideoTransformer3DModel if family == "ltx2" else WanTransformer3DModel
+    fam = family(name)
     torch.manual_seed(seed)
-    # Built in float32 with the parameters initialised on the device (57 GB for Wan, 76 GB for LTX-2: they fit the
-    # H200, and no host copy is made), then cast as from_pretrained does (see cast_like_pretrained). Not built in
-    # bf16 directly: under a bf16 default dtype the modules diffusers keeps in fp32 would start in bf16, and whether
-    # the rotary tables keep their precision would rest on each class's own explicit dtypes.
+    # Built in float32 with the parameters initialised on the device (57 GB for Wan, 76 GB for LTX-2, 48 GB for
+    # FLUX.1-dev, 32 GB for SD3.5 Large, 82 GB for Qwen-Image: they fit the H200, and no host copy is made), then
+    # cast as from_pretrained does (see cast_like_pretrained). Not built in bf16 directly: under a bf16 default dtype
+    # the modules diffusers keeps in fp32 would start in bf16, and whether the rotary tables keep their precision
+    # would rest on each class's own explicit dtypes.
     with torch.device(device):
-        model = cls(**(TINY_CONFIGS[family] if tiny else {}))
+        model = getattr(diffusers, fam.cls)(**(fam.tiny if tiny else fam.config))
     cast_like_pretrained(model, cast)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # hand back the float32 copies' blocks
@@ -129,23 +267,13 @@ def build(name: str, tiny: bool, device: torch.device, seed: int, cast: str,
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen, device=device, dtype=DTYPE)
 
-    cfg = model.config
-    timestep = torch.tensor([500.0], device=device)
-    if family == "wan":
-        p_t, p_h, p_w = cfg.patch_size
-        inputs = {"hidden_states": randn(1, cfg.in_channels, geo.frames, geo.height, geo.width), "timestep": timestep,
-                  "encoder_hidden_states": randn(1, geo.text, cfg.text_dim), "return_dict": False}
-        return model, inputs, (geo.frames // p_t) * (geo.height // p_h) * (geo.width // p_w)
-    tokens = (geo.frames // cfg.patch_size_t) * (geo.height // cfg.patch_size) * (geo.width // cfg.patch_size)
-    mask = torch.ones(1, geo.text, device=device, dtype=torch.bool)
-    inputs = {"hidden_states": randn(1, tokens, cfg.in_channels),
-              "audio_hidden_states": randn(1, geo.audio, cfg.audio_in_channels),
-              "encoder_hidden_states": randn(1, geo.text, cfg.caption_channels),
-              "audio_encoder_hidden_states": randn(1, geo.text, cfg.caption_channels),
-              "timestep": timestep, "encoder_attention_mask": mask, "audio_encoder_attention_mask": mask,
-              "num_frames": geo.frames, "height": geo.height, "width": geo.width, "fps": 24.0,
-              "audio_num_frames": geo.audio, "return_dict": False}
+    inputs, tokens = fam.inputs(model.config, geo, randn, timestep(SIGMA, fam, device))
     return model, inputs, tokens
+
+
+def timestep(sigma: float, fam: Family, device: torch.device) -> torch.Tensor:
+    """The timestep the family's pipeline passes at noise level `sigma` (batch 1, float32)."""
+    return torch.full((1,), sigma * fam.timestep_scale, device=device)
 
 
 Outputs = tuple[torch.Tensor, ...]
@@ -212,6 +340,68 @@ def dynamo_graphs() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+def regional_compile(model: nn.Module) -> list[str]:
+    """diffusers' `compile_repeated_blocks(fullgraph=True)`; lazy (the next call compiles). A class without
+    `_repeated_blocks` (SD3Transformer2DModel in diffusers 0.42.1) is given its `_no_split_modules` (SD3's
+    JointTransformerBlock) as them, on the instance: the same regional compile of the repeated blocks. Returns the
+    block classes compiled."""
+    if not getattr(model, "_repeated_blocks", None):
+        model._repeated_blocks = list(getattr(model, "_no_split_modules", None) or ())
+    model.compile_repeated_blocks(fullgraph=True)
+    return list(model._repeated_blocks)
+
+
+PEER = "torchao quantize_(Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())) on every bf16 nn.Linear"
+
+
+def peer_blocked(device: torch.device) -> str | None:
+    """Why the torchao FP8 rowwise peer cannot run here, or None. torchao is a benchmark-only extra (`bench`)."""
+    if device.type != "cuda":
+        return "the torchao FP8 rowwise peer needs a CUDA device"
+    if torch.cuda.get_device_capability(device) < (8, 9):
+        return "the torchao FP8 rowwise peer needs compute capability 8.9 or later"
+    try:
+        import torchao.quantization  # noqa: F401
+    except Exception as exc:  # not installed, or built for another torch
+        return f"torchao does not import ({type(exc).__name__}: {exc}); pip install 'flash_catalog[bench]'"
+    return None
+
+
+def fp8_rowwise(model: nn.Module) -> dict[str, int]:
+    """The peer: torchao's FP8 dynamic-activation, FP8-weight quantization, per row, in place, on every nn.Linear
+    whose weight is bf16 (PerRow takes bf16 weights only: Wan's fp32-kept modules stay as they are). torchao also
+    leaves a weight whose dims are not multiples of 16 as it is. Returns the linears' weight types, counted."""
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+    def bf16_linear(module: nn.Module, _name: str) -> bool:
+        return isinstance(module, nn.Linear) and module.weight.dtype == DTYPE
+
+    quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()), filter_fn=bf16_linear)
+    return dict(Counter(type(m.weight).__name__ for m in model.modules() if isinstance(m, nn.Linear)))
+
+
+def build_peer(args: argparse.Namespace, device: torch.device, before: Fingerprint, record: dict[str, Any]
+               ) -> nn.Module:
+    """The host's model built again from the seed (the same weights: checked against the host's fingerprint taken
+    before any attach), quantized as the peer. torchao sets its recommended inductor options (coordinate-descent
+    tuning, among others) for the rest of the process: the peer runs after every host and attached row."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    t0 = time.monotonic()
+    peer, _, _ = build(args.model, args.tiny, device, args.seed, args.cast)
+    record["build_s"] = time.monotonic() - t0
+    record["weights_equal_host"] = not fingerprint_mismatches(before, fingerprint(peer))
+    t0 = time.monotonic()
+    record["linear_weights"] = fp8_rowwise(peer)
+    sync(device)
+    record["quantize_s"] = time.monotonic() - t0
+    record["peer"] = PEER
+    record["resident_gb"] = gb(memory(device))
+    log(f"peer built in {record['build_s']:.1f} s (weights equal the host's: {record['weights_equal_host']}), "
+        f"quantized in {record['quantize_s']:.1f} s: {record['linear_weights']}")
+    return peer
 
 
 @dataclass
@@ -281,11 +471,34 @@ def time_steps(model: nn.Module, inputs: dict[str, Any], device: torch.device, w
     return out
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def common_args(p: argparse.ArgumentParser, tool: str) -> None:
+    """The model, size, device, cast, seed and JSON arguments (this tool's and tools/bench_drift.py's)."""
     p.add_argument("--model", choices=sorted(FULL), required=True)
     p.add_argument("--tiny", action="store_true", help="2 layers, tiny dims and token counts (smoke test)")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--cast", choices=("pretrained", "all"), default="pretrained",
+                   help="bf16 as from_pretrained loads it (fp32-kept modules stay fp32) or every tensor")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None, help=f"default {tool}_<model>[_tiny].json")
+
+
+def chosen(p: argparse.ArgumentParser, value: str, choices: tuple[str, ...], what: str) -> list[str]:
+    """A comma-separated subset of `choices`; anything else is a usage error."""
+    picked = [v for v in value.split(",") if v]
+    unknown = sorted(set(picked) - set(choices))
+    if unknown:
+        p.error(f"unknown {what} {unknown}; choose from {', '.join(choices)}")
+    return picked
+
+
+def finish_common(args: argparse.Namespace, tool: str) -> argparse.Namespace:
+    args.json = args.json or Path(f"{tool}_{args.model}{'_tiny' if args.tiny else ''}.json")
+    return args
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    common_args(p, "bench_model")
     p.add_argument("--profiles", default="default,int8_balance_sage,fp8_balance_proj",
                    help="comma-separated; 'default' = attach with no profile; 'none' = no attach")
     p.add_argument("--rows", default=",".join(ROWS),
@@ -298,24 +511,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="expected first compiled call until the host's compile is measured")
     p.add_argument("--attach-estimate-s", type=float, default=None,
                    help="least expected attach seconds (default 30 + 6 host steps)")
-    p.add_argument("--cast", choices=("pretrained", "all"), default="pretrained",
-                   help="bf16 as from_pretrained loads it (fp32-kept modules stay fp32) or every tensor")
     p.add_argument("--recompile-limit", type=int, default=None, help="torch._dynamo.config.recompile_limit")
     p.add_argument("--reattach", action="store_true",
                    help="after each profile's detach, attach it once more from the first attach's receipt "
                         "(plan=, as a saved plan is reused: no paired timing, accuracy gated at every site), "
                         "then detach")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, default=None, help="default bench_model_<model>[_tiny].json")
     args = p.parse_args(argv)
-    rows = [r for r in args.rows.split(",") if r]
-    unknown = sorted(set(rows) - set(ROWS))
-    if unknown or args.steps < 1:
-        p.error(f"unknown rows {unknown}; choose from {', '.join(ROWS)}" if unknown else "--steps must be >= 1")
-    args.rows = rows
+    args.rows = chosen(p, args.rows, ROWS, "rows")
+    if args.steps < 1:
+        p.error("--steps must be >= 1")
     args.profiles = [] if args.profiles == "none" else [s for s in args.profiles.split(",") if s]
-    args.json = args.json or Path(f"bench_model_{args.model}{'_tiny' if args.tiny else ''}.json")
-    return args
+    return finish_common(args, "bench_model")
 
 
 def header(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
@@ -344,12 +550,13 @@ class Bench:
     host_ms: dict[str, float] = field(default_factory=dict)
     host_compiled_out: Outputs | None = None
     compile_ok: bool = True
+    build_s: float = 0.0
 
-    def call(self) -> tuple[float, Outputs]:
-        return call(self.model, self.inputs, self.device)
+    def call(self, model: nn.Module | None = None) -> tuple[float, Outputs]:
+        return call(model or self.model, self.inputs, self.device)
 
-    def steps(self, record: dict[str, Any], warmup: int = 0) -> Outputs:
-        return time_steps(self.model, self.inputs, self.device, warmup, self.args.steps, record)
+    def steps(self, record: dict[str, Any], warmup: int = 0, model: nn.Module | None = None) -> Outputs:
+        return time_steps(model or self.model, self.inputs, self.device, warmup, self.args.steps, record)
 
     def compare(self, record: dict[str, Any], out: Outputs) -> None:
         record["cos_vs_host_eager"] = cosine(out, self.ref)
@@ -404,10 +611,10 @@ class Bench:
         self.budget.compile_s = record["compile_s"]
         self.compare(record, self.host_compiled_out)
 
-    def first_compiled_call(self, record: dict[str, Any]) -> Outputs:
+    def first_compiled_call(self, record: dict[str, Any], model: nn.Module | None = None) -> Outputs:
         """The call that compiles: its seconds and the number of graphs dynamo made."""
         graphs = dynamo_graphs()
-        record["compile_s"], out = self.call()
+        record["compile_s"], out = self.call(model)
         record["new_graphs"] = dynamo_graphs() - graphs
         return out
 
@@ -415,10 +622,29 @@ class Bench:
         """Regional compilation, before any attach (attach after compile is the order tested); lazy: the next call
         compiles."""
         try:
-            self.model.compile_repeated_blocks(fullgraph=True)
+            self.report.data["compiled_blocks"] = regional_compile(self.model)
         except Exception as exc:
             self.compile_ok = False
             log(f"compile_repeated_blocks failed: {type(exc).__name__}: {exc}")
+
+    def peer_estimate_s(self) -> float:
+        """The build again, and a compile guessed at twice the host's (torchao's inductor options tune longer)."""
+        return self.build_s + 2 * self.budget.compile_s + self.args.steps * self.budget.step_s
+
+    def peer_compiled(self, record: dict[str, Any]) -> None:
+        """The torchao FP8 rowwise peer of a fresh copy of the host's weights, under the same regional compile; the
+        copy is dropped afterwards."""
+        peer = build_peer(self.args, self.device, self.before, record)
+        try:
+            regional_compile(peer)
+            first = self.first_compiled_call(record, peer)
+            out = self.steps(record, model=peer)
+            record["repeatable"] = equal(out, first)
+            self.compare(record, out)
+        finally:
+            del peer
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
 
     def profile(self, profile: str) -> None:
         """attach, the attached rows, detach and its checks."""
@@ -536,23 +762,11 @@ def main(argv: list[str] | None = None) -> int:
     report = Report(args.json, header(args, device))
     signal.signal(signal.SIGTERM, lambda *_: terminated(report))
 
-    t0 = time.monotonic()
-    model, inputs, tokens = build(args.model, args.tiny, device, args.seed, args.cast)
-    sync(device)
-    n_params = sum(p.numel() for p in model.parameters())
-    dtypes = dict(Counter(str(p.dtype).removeprefix("torch.") for p in model.parameters()))
-    shapes = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-    report.data["model"] = {"name": args.model, "tiny": args.tiny, "class": type(model).__name__, "params": n_params,
-                            "param_dtypes": dtypes, "video_tokens": tokens, "inputs": shapes,
-                            "build_s": time.monotonic() - t0, "resident_gb": gb(memory(device)),
-                            "config": dict(model.config)}
-    log(f"built {type(model).__name__} ({args.model}{' tiny' if args.tiny else ''}) in {time.monotonic() - t0:.1f} "
-        f"s: {params(n_params)} params {dtypes}, {model.config.num_layers} layers, {tokens} video tokens, "
-        f"resident {fmt(gb(memory(device)), '.1f')} GB; inputs {shapes}")
+    model, inputs, report.data["model"] = built(args, device)
     before = fingerprint(model)
     log(f"state-dict fingerprint of {len(before)} tensors taken")
     budget = Budget(args.budget_s, compile_s=args.compile_estimate_s, attach_floor_s=args.attach_estimate_s)
-    bench = Bench(args, model, inputs, device, report, budget, before)
+    bench = Bench(args, model, inputs, device, report, budget, before, build_s=report.data["model"]["build_s"])
 
     bench.reference()
     if "host_eager" in args.rows:
@@ -564,6 +778,8 @@ def main(argv: list[str] | None = None) -> int:
                           None if bench.compile_ok else "the model did not compile")
     for profile in args.profiles:
         bench.profile(profile)
+    if "peer_compiled" in args.rows:
+        bench.run_row("peer_compiled", None, bench.peer_estimate_s(), bench.peer_compiled, peer_blocked(device))
 
     report.data["finished"] = True
     report.data["elapsed_s"] = time.monotonic() - START
@@ -571,6 +787,27 @@ def main(argv: list[str] | None = None) -> int:
     print_tables(report.data)
     print(f"wrote {args.json}", flush=True)
     return 0
+
+
+def built(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, dict[str, Any], dict[str, Any]]:
+    """`build` with args' model, size, seed and cast: the model, its inputs, and the report's record of them."""
+    t0 = time.monotonic()
+    model, inputs, tokens = build(args.model, args.tiny, device, args.seed, args.cast)
+    sync(device)
+    build_s = time.monotonic() - t0
+    n_params = sum(p.numel() for p in model.parameters())
+    dtypes = dict(Counter(str(p.dtype).removeprefix("torch.") for p in model.parameters()))
+    shapes = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    kind, cfg = family(args.model).kind, model.config
+    layers = cfg.num_layers + cfg.get("num_single_layers", 0)
+    record = {"name": args.model, "tiny": args.tiny, "class": type(model).__name__, "params": n_params,
+              "param_dtypes": dtypes, "tokens": tokens, "token_kind": kind,
+              **({"video_tokens": tokens} if kind == "video" else {}), "layers": layers, "inputs": shapes,
+              "build_s": build_s, "resident_gb": gb(memory(device)), "config": dict(cfg)}
+    log(f"built {type(model).__name__} ({args.model}{' tiny' if args.tiny else ''}) in {build_s:.1f} s: "
+        f"{params(n_params)} params {dtypes}, {layers} layers, {tokens} {kind} tokens, "
+        f"resident {fmt(gb(memory(device)), '.1f')} GB; inputs {shapes}")
+    return model, inputs, record
 
 
 def terminated(report: Report) -> None:
@@ -600,20 +837,35 @@ def params(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
 
 
-def print_tables(data: dict[str, Any]) -> None:
+Column = tuple[str, str, Callable[[dict[str, Any]], Any]]  # header, format spec (its width the column's), value
+
+
+def title(data: dict[str, Any], detail: str = "") -> str:
+    """The tables' heading: the model, `detail`, the machine and the versions."""
     env, m = data["environment"], data["model"]
-    print(f"\n{m['name']}{' (tiny)' if m['tiny'] else ''}: {m['class']} {params(m['params'])} params, "
-          f"{m['video_tokens']} video tokens; {env.get('device_name')}; torch {env['torch']}, triton {env['triton']}, "
-          f"diffusers {env['diffusers']}; {env['date']}")
-    print(f"{'row':18} {'profile':18} {'ms/step':>9} {'compile s':>9} {'x eager':>7} {'x comp.':>7} "
-          f"{'cos vs eager':>12} steps ms")
-    for r in data["rows"]:
-        if r.get("status") != "ok":
-            print(f"{r['row']:18} {r['profile'] or '-':18} {short(r.get('status'))}")
-            continue
-        print(f"{r['row']:18} {r['profile'] or '-':18} {fmt(r.get('ms'), '9.1f')} {fmt(r.get('compile_s'), '9.1f')} "
-              f"{fmt(r.get('x_host_eager'), '7.3f')} {fmt(r.get('x_host_compiled'), '7.3f')} "
-              f"{fmt(r.get('cos_vs_host_eager'), '12.7f')} {' '.join(f'{t:.0f}' for t in r.get('steps_ms', []))}")
+    return (f"\n{m['name']}{' (tiny)' if m['tiny'] else ''}: {m['class']} {params(m['params'])} params, "
+            f"{m['tokens']} {m['token_kind']} tokens; {detail}{env.get('device_name')}; torch {env['torch']}, "
+            f"triton {env['triton']}, diffusers {env['diffusers']}; {env['date']}")
+
+
+def print_rows(rows: list[dict[str, Any]], columns: list[Column], first: str = "row", width: int = 18) -> None:
+    """One line a row: its name and profile, then the columns, or its status where it did not run."""
+    widths = [int(re.match(r"\+?(\d*)", spec).group(1) or 0) for _, spec, _ in columns]
+    print(f"{first:{width}} {'profile':18} " + " ".join(h.rjust(w) for (h, _, _), w in zip(columns, widths)))
+    for r in rows:
+        lead = f"{r['row']:{width}} {r['profile'] or '-':18}"
+        done = r.get("status") == "ok"
+        print(f"{lead} " + (" ".join(fmt(value(r), spec) for _, spec, value in columns) if done
+                            else short(r.get("status"))))
+
+
+def print_tables(data: dict[str, Any]) -> None:
+    print(title(data))
+    print_rows(data["rows"], [
+        ("ms/step", "9.1f", lambda r: r.get("ms")), ("compile s", "9.1f", lambda r: r.get("compile_s")),
+        ("x eager", "7.3f", lambda r: r.get("x_host_eager")), ("x comp.", "7.3f", lambda r: r.get("x_host_compiled")),
+        ("cos vs eager", "12.7f", lambda r: r.get("cos_vs_host_eager")),
+        ("steps ms", "s", lambda r: " ".join(f"{t:.0f}" for t in r.get("steps_ms", [])))])
     if not data["profiles"]:
         return
     print(f"\n{'profile':18} {'attach s':>8} {'receipt s':>9} {'peak+ GB':>8} {'resid. GB':>9} {'b/d/r/h':>11} "

@@ -1,0 +1,88 @@
+"""tools/bench_model.py and tools/bench_drift.py at their tiny sizes on the CPU: the image hosts' rows, the torchao
+peer recorded as skipped with its reason where it cannot run (no CUDA here, torchao a benchmark-only extra), and the
+drift check's cosine and PSNR fields. Eager rows only: a compiled row on the CPU costs a minute of inductor."""
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("diffusers")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+
+import bench_drift  # noqa: E402
+import bench_model  # noqa: E402
+
+
+@pytest.fixture
+def fresh_clock(monkeypatch):
+    """The tools count --budget-s from their import; a test's run counts from its own start."""
+    monkeypatch.setattr(bench_model, "START", time.monotonic())
+
+
+def finite(value) -> bool:
+    return isinstance(value, float) and math.isfinite(value)
+
+
+def peer_skip_reason() -> str:
+    return bench_model.peer_blocked(bench_model.torch.device("cpu"))
+
+
+@pytest.mark.parametrize("model", ["flux", "sd35", "qwenimage"])
+def test_bench_model_image_hosts(model, tmp_path, fresh_clock):
+    out = tmp_path / "bench.json"
+    assert bench_model.main(["--model", model, "--tiny", "--device", "cpu", "--steps", "1", "--warmup", "0",
+                             "--profiles", "default", "--rows", "host_eager,attached_eager,peer_compiled",
+                             "--budget-s", "120", "--attach-estimate-s", "5", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["finished"] and data["host"]["outputs_finite"]
+    assert data["model"]["token_kind"] == "image" and data["model"]["layers"] == 2
+    rows = {r["row"]: r for r in data["rows"]}
+    assert set(rows) == {"host eager", "attached eager", "peer compiled"}
+    for name in ("host eager", "attached eager"):
+        assert rows[name]["status"] == "ok", rows[name]["status"]
+        assert finite(rows[name]["ms"]) and finite(rows[name]["cos_vs_host_eager"])
+        assert rows[name]["cos_vs_host_eager"] > 0.999
+    assert rows["peer compiled"]["status"] == f"skipped: {peer_skip_reason()}"
+    (profile,) = data["profiles"]
+    assert profile["status"] == "ok" and profile["detach_state_dict_equal"] and profile["detach_eager_equal"]
+
+
+def test_the_published_configs_and_inputs():
+    """The full sizes, checked without building anything: the configs the docstring states and the token counts."""
+    flux, sd3, qwen = (bench_model.FAMILIES[f].config for f in ("flux", "sd3", "qwenimage"))
+    assert (flux["num_layers"], flux["num_single_layers"], flux["guidance_embeds"]) == (19, 38, True)
+    assert (sd3["num_layers"], sd3["caption_projection_dim"], sd3["pos_embed_max_size"]) == (38, 2432, 192)
+    assert (qwen["num_layers"], qwen["joint_attention_dim"]) == (60, 3584)
+    full = bench_model.FULL
+    assert (full["flux"].height // 2) * (full["flux"].width // 2) == 4096 and full["flux"].text == 512
+    assert full["sd35"].text == 77 + 256
+    assert (full["qwenimage"].height // 2) ** 2 == 6889
+
+
+@pytest.mark.parametrize("model", ["flux", "ltx2"])
+def test_bench_drift_tiny(model, tmp_path, fresh_clock):
+    out = tmp_path / "drift.json"
+    assert bench_drift.main(["--model", model, "--tiny", "--device", "cpu", "--steps", "4", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    rows = {r["row"]: r for r in data["rows"]}
+    assert list(rows) == ["host", "attached", "peer"]
+    for name in ("host", "attached"):
+        r = rows[name]
+        assert r["status"] == "ok", r["status"]
+        assert r["final_finite"] and finite(r["cos_vs_host"]) and len(r["cos_per_step"]) == 4
+        # PSNR: a number, or null where the final latent is bit-equal to the host's (nothing binds on the CPU)
+        assert finite(r["psnr_db_vs_host"]) or (r["psnr_db_vs_host"] is None and r["exact"])
+    assert rows["attached"]["detach_state_dict_equal"]
+    assert rows["peer"]["status"] == f"skipped: {peer_skip_reason()}"
+
+
+def test_psnr():
+    torch = bench_model.torch
+    ref = (torch.tensor([0.0, 1.0, 2.0, 3.0]),)
+    assert bench_drift.psnr(ref, ref) is None
+    # range 3, MSE 0.01: 10 log10(9 / 0.01)
+    assert bench_drift.psnr((ref[0] + 0.1,), ref) == pytest.approx(10 * math.log10(900))
