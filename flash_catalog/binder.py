@@ -13,28 +13,28 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from . import receipts
+from .plan import receipts
 from .adapters import pick_adapter
 from .adapters.ffn import FfnSite, find_ffn_sites, find_projection_sites
 from .adapters.install import Installation
 from .adapters.patches import GlobalPatch
 from .adapters.router import AttentionRouter
-from .adapters.routes import RouteTable
+from .route.table import RouteTable
 from .adapters.swap import state_of
-from .agreement import Agreement, RanksOutOfStep
-from .calibration import Calibration, Progress
-from .catalog import Catalog, build_form
-from .decide import GateOptions
-from .environment import environment
+from .decide.agreement import Agreement, RanksOutOfStep
+from .capture.calibration import Calibration, Progress
+from .catalog.catalog import Catalog, build_form
+from .decide.decide import GateOptions
+from .plan.environment import environment
 from .forms.base import AttentionForm
 from .forms.context import FormContext
 from .kernels.staging import StagingPool
-from .pipelines import denoisers
-from .plan import AttachTimings, Plan, ShapeRecord, SiteRecord
-from .profiles import get_profile
-from .stance import CalibrationStance
-from .mask_check import MaskReuse
-from .reuse import SavedDecisions, load_receipt
+from .adapters.pipelines import denoisers
+from .plan.plan import AttachTimings, Plan, ShapeRecord, SiteRecord
+from .catalog.profiles import get_profile
+from .capture.stance import CalibrationStance
+from .capture.mask_check import MaskReuse
+from .decide.reuse import SavedDecisions, load_receipt
 
 log = logging.getLogger("flash_catalog")
 

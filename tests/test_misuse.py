@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flash_catalog import Plan, attach, detach
-from flash_catalog.tiny_hosts import build, wan_pipeline
+from flash_catalog.cli.tiny_hosts import build, wan_pipeline
 
 
 def run(model, inputs):

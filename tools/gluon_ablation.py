@@ -29,8 +29,8 @@ import triton.testing
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from flash_catalog.kernels.sage2_attention import quantize_qkv  # noqa: E402
-from flash_catalog.kernels.sage2_gluon import staging_tiles  # noqa: E402
+from flash_catalog.kernels.sage2.triton_kernel import quantize_qkv  # noqa: E402
+from flash_catalog.kernels.sage2.gluon_kernel import staging_tiles  # noqa: E402
 
 SOURCE = ROOT / "flash_catalog" / "kernels" / "sage2_gluon.py"
 

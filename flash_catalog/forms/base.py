@@ -7,11 +7,11 @@ from typing import Callable
 
 import torch
 
-from ..agreement import Agreement
-from ..calls import AttentionCall, Output, ShapeKey
-from ..gate import median_seconds
+from ..decide.agreement import Agreement
+from ..capture.calls import AttentionCall, Output, ShapeKey
+from ..decide.gate import median_seconds
 from ..kernels.staging import StagingKey, StagingPool
-from ..specs import Spec
+from ..catalog.specs import Spec
 from .context import NO_CONTEXT, FormContext
 
 

@@ -10,13 +10,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from . import json_fields
-from .agreement import ParallelRecord
-from .gate import Timing
-from .kernels.staging import StagingPool
-from .utf8 import NotUtf8, utf8_text
+from ..decide.agreement import ParallelRecord
+from ..decide.gate import Timing
+from ..kernels.staging import StagingPool
+from ..utf8 import NotUtf8, utf8_text
 
 if TYPE_CHECKING:
-    from .adapters.routes import RouteTable
+    from ..route.table import RouteTable
 
 OUTCOMES = ("bound", "declined", "refused", "host")
 """bound: a form serves the shape. declined: a form qualified and was accurate but not fast enough.

@@ -16,13 +16,13 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                               warpgroup_mma_wait)
+                                                              warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .magic import MAGIC_FLOAT, MAGIC_INT
+from ..magic import MAGIC_FLOAT, MAGIC_INT
 # The Triton kernel's constant (the same constexpr type): P scaled by 448 in exp2.
-from .sage2_attention import LOG2_P_SCALE
-from .sage2_quant import Sage2Staged
+from .triton_kernel import LOG2_P_SCALE
+from .quant import Sage2Staged
 
 
 @gluon.jit

@@ -8,11 +8,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .activation import round_to_bf16
-from .magic import MAGIC_FLOAT, MAGIC_INT  # integer -> float without I2F (which issues at exp2's 16/clk/SM)
-from .sage2_quant import (Sage2Staged, add_key_mean, empty_result, interpreter_active, quantize_qkv, refuse_grad,
-                          round_to_e4m3, staging_keys_of, validate_inputs)
-from .staging import StagingKey, StagingPool
+from ..activation import round_to_bf16
+from ..magic import MAGIC_FLOAT, MAGIC_INT  # integer -> float without I2F (which issues at exp2's 16/clk/SM)
+from .quant import (Sage2Staged, add_key_mean, empty_result, interpreter_active, quantize_qkv, refuse_grad,
+                    round_to_e4m3, staging_keys_of, validate_inputs)
+from ..staging import StagingKey, StagingPool
 
 __all__ = ["sage2_attention", "sage2_attention_staged", "default_config", "quantize_qkv", "Sage2Staged",
            "staging_keys", "choose_kernel", "gluon_refusal", "KERNELS"]
@@ -40,7 +40,7 @@ def gluon_refusal(q: torch.Tensor, pv: str, is_causal: bool) -> str | None:
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
         return f"device {q.device} (it needs sm_90)"
     try:
-        from . import sage2_gluon  # noqa: F401  (triton with Gluon's Hopper dialect)
+        from . import gluon_kernel  # noqa: F401  (triton with Gluon's Hopper dialect)
     except ImportError as exc:
         return f"Gluon unavailable ({exc})"
     return None
@@ -71,7 +71,7 @@ def _v_fp16(pv: str, kernel: str) -> bool:
 def staging_tiles_for(q: torch.Tensor, pv: str, kernel: str) -> tuple[int, int]:
     """(block_m, block_n) of the staging for the chosen kernel ("gluon" or "triton")."""
     if kernel == "gluon":
-        from .sage2_gluon import staging_tiles
+        from .gluon_kernel import staging_tiles
         return staging_tiles()
     cfg = default_config(q.shape[-1], pv)
     return cfg["block_m"], cfg["block_n"]
@@ -291,7 +291,7 @@ def sage2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     staged = quantize_qkv(q, k, v, sm_scale=sm_scale, pv=pv, block_m=bm, block_n=bn, validate=False,
                           staging=staging, v_fp16=_v_fp16(pv, chosen))
     if chosen == "gluon":
-        from .sage2_gluon import sage2_gluon_staged
+        from .gluon_kernel import sage2_gluon_staged
         return sage2_gluon_staged(staged, out_dtype=q.dtype)
     if not return_lse:
         return sage2_attention_staged(staged, out_dtype=q.dtype, is_causal=is_causal, num_warps=num_warps,

@@ -10,9 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .interpreter import interpreted
-from .magic import MAGIC_FLOAT
-from .staging import StagingKey, StagingPool
+from ..interpreter import interpreted
+from ..magic import MAGIC_FLOAT
+from ..staging import StagingKey, StagingPool
 
 LOG2E = 1.0 / math.log(2.0)
 # In the kernels: INT8 range 127, FP8 e4m3 range 448, and 1e-30 as the floor of a block's or channel's max|x|

@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 from torch import nn
 
-from . import receipts
+from ..plan import receipts
 from .gate import Accuracy, Timing, pseudo_median, signed_rank_interval
 
 if TYPE_CHECKING:
-    from .plan import SiteRecord
+    from ..plan.plan import SiteRecord
 
 COMBINE = "cosine: min over ranks; rel err: max; speed: per round the geometric mean of the ranks' ratios"
 
