@@ -78,7 +78,7 @@ def test_gluon_fp16_pv_matches_the_triton_kernel_on_the_same_staging(b, hq, hkv,
 
 
 def test_auto_picks_gluon_where_it_serves():
-    from flash_catalog.kernels.sage2.triton_kernel import choose_kernel
+    from flash_catalog.kernels.sage2.selection import choose_kernel
 
     q = torch.randn(1, 2, 256, 128, device="cuda", dtype=torch.bfloat16)
     assert choose_kernel(q, "fp16", False) == "gluon"

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from flash_catalog import AttachError, attach, detach
-from flash_catalog.kernels.sage2.triton_kernel import sage2_attention, staging_keys
+from flash_catalog.kernels.sage2.selection import staging_keys
+from flash_catalog.kernels.sage2.triton_kernel import sage2_attention
 from flash_catalog.kernels.sage2.op import sage2_attention_op
 from flash_catalog.kernels.staging import StagingPool, live_pools
 from test_sage2_forms import blocks, cpu_sage2_catalog

@@ -33,7 +33,8 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flash_catalog.decide.gate import paired_speedup  # noqa: E402
-from flash_catalog.kernels.sage2.triton_kernel import default_config, quantize_qkv, sage2_attention  # noqa: E402
+from flash_catalog.kernels.sage2.selection import default_config  # noqa: E402
+from flash_catalog.kernels.sage2.triton_kernel import quantize_qkv, sage2_attention  # noqa: E402
 
 DEFAULT_SHAPES = [(1, 32, 4096, 128), (1, 32, 16384, 128), (1, 32, 24576, 128), (1, 32, 32768, 128),
                   (2, 24, 4096, 64)]

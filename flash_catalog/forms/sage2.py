@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 from ..capture.calls import AttentionCall
-from ..kernels.sage2.triton_kernel import choose_kernel, staging_keys
+from ..kernels.sage2.selection import choose_kernel, staging_keys
 from ..kernels.sage2.op import sage2_attention_lse_op, sage2_attention_op
 from ..kernels.staging import StagingKey, StagingPool
 from ..capture.masks import ALL_PASS

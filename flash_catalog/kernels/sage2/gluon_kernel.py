@@ -20,9 +20,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..magic import MAGIC_FLOAT, MAGIC_INT
-# The Triton kernel's constant (the same constexpr type): P scaled by 448 in exp2.
-from .triton_kernel import LOG2_P_SCALE
-from .quant import Sage2Staged
+from .quant import LOG2_P_SCALE, Sage2Staged  # LOG2_P_SCALE: the Triton kernel's constexpr, P scaled by 448
 
 
 @gluon.jit

@@ -23,6 +23,10 @@ DTYPES = (torch.float16, torch.bfloat16)
 STATS_SUB = 64  # tokens per inner step of the K-mean / V-amax pass
 STATS_PROGRAMS = 512  # fewer programs than this at 1024 tokens each leave SMs idle: chunks shrink to 256 tokens
 
+# P is produced already scaled by 448 (e4m3's largest finite value): exp2(s - m + log2(448)). The factor cancels in
+# acc / l, so neither P nor the output needs a separate multiply.
+LOG2_P_SCALE = tl.constexpr(math.log2(448.0))
+
 
 def stats_chunk(seq_kv: int, heads: int) -> int:
     """Tokens per program of the K-mean / V-amax pass over `heads` (batch x kv heads) of `seq_kv` keys: 1024, or 256
