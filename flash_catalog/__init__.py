@@ -3,7 +3,8 @@
 from .binder import AttachError, attach, attached, default_catalog, detach, reset_default_catalog
 from .catalog.catalog import Catalog
 from .forms.unavailable import KernelUnavailable
-from .plan.plan import Basis, Plan, ReceiptError, ReceiptUse, ShapeRecord, SiteRecord
+from .plan.plan import Plan, ReceiptError
+from .plan.records import Basis, ReceiptUse, ShapeRecord, SiteRecord
 from .catalog.specs import Spec, SpecError, SpecProblem, load_spec
 
 __all__ = ["attach", "attached", "detach", "AttachError", "Catalog", "KernelUnavailable", "Plan", "SiteRecord",

@@ -30,7 +30,8 @@ from .forms.base import AttentionForm
 from .forms.context import FormContext
 from .kernels.staging import StagingPool
 from .adapters.pipelines import denoisers
-from .plan.plan import AttachTimings, Plan, ShapeRecord, SiteRecord
+from .plan.plan import Plan
+from .plan.records import AttachTimings, ShapeRecord, SiteRecord
 from .catalog.profiles import get_profile
 from .capture.stance import CalibrationStance
 from .capture.mask_check import MaskReuse

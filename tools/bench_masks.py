@@ -26,7 +26,7 @@ from flash_catalog.capture.calibration import attention_contender  # noqa: E402
 from flash_catalog.capture.calls import AttentionCall  # noqa: E402
 from flash_catalog.catalog.catalog import build_form  # noqa: E402
 from flash_catalog.decide.decide import AttachClock, GateOptions, TimingCache, Trial, decide  # noqa: E402
-from flash_catalog.plan.plan import ShapeRecord  # noqa: E402
+from flash_catalog.plan.records import ShapeRecord  # noqa: E402
 from flash_catalog.plan.environment import environment  # noqa: E402
 from flash_catalog.decide.gate import measure_accuracy  # noqa: E402
 from flash_catalog.capture.masks import describe_mask  # noqa: E402

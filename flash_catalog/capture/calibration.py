@@ -27,7 +27,7 @@ from ..forms.ffn_base import FfnForm
 from ..kernels.staging import StagingKey, StagingPool
 from .mask_check import MaskCheck, MaskReuse
 from ..decide.memory import module_tensors, tensor_bytes
-from ..plan.plan import ShapeRecord
+from ..plan.records import ShapeRecord
 from ..decide.qualify import envelope_rule, tensor_rule
 from ..decide.reuse import SavedDecisions
 from .stance import CalibrationStance

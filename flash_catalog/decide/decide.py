@@ -13,7 +13,7 @@ from ..plan import receipts
 from .agreement import LOCAL, Agreement
 from .gate import Accuracy, SpeedVerdict, Timing, measure_accuracy, median_seconds, paired_speedup
 from ..capture.layout import stride_order
-from ..plan.plan import ShapeRecord
+from ..plan.records import ShapeRecord
 from ..catalog.specs import AccuracyFloor, Spec
 
 

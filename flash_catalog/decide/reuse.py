@@ -14,7 +14,8 @@ from typing import Any, Sequence
 from .decide import Contender, TimingCache
 from ..plan.environment import environment_difference
 from .gate import Timing
-from ..plan.plan import Basis, Plan, ReceiptUse, ShapeRecord
+from ..plan.plan import Plan
+from ..plan.records import Basis, ReceiptUse, ShapeRecord
 
 log = logging.getLogger("flash_catalog")
 

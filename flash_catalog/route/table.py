@@ -25,10 +25,10 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..capture.calls import AttentionCall, Output, StaticKey, alignment
-from ..forms.base import Runner
 from ..capture.layout import dense_strides
 from ..capture.mask_check import MaskCheck
 from ..capture.masks import MaskInfo
+from .runner import Runner
 
 CHECK_INSIDE = -2  # the op's `choice` when the mask check happens inside it
 HOST = -1  # the op's `choice` for the host's own function
