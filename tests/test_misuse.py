@@ -61,7 +61,7 @@ def test_a_pickled_or_copied_plan_is_its_data_detached_and_only_the_original_det
         assert twin.to_dict() == {**data, "detached": True,
                                   "memory": {**data["memory"], "staging_bytes": 0, "mask_check_bytes": 0}}
         assert twin.sites == plan.sites and twin.environment == plan.environment and twin.options == plan.options
-        assert twin.detached and twin._revert is None and twin.staging is None and twin.routes is None
+        assert twin.detached and twin.attachment is None and twin.staging is None and twin.routes is None
         assert plan.detached is not attached  # the original is untouched
         detach(twin)  # inert: the model stays as it was
         routed = plan.routed

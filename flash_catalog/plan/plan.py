@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import functools
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from ..kernels.staging import StagingPool
 from ..utf8 import NotUtf8, utf8_text
@@ -15,6 +14,7 @@ from .records import MEMORY_FIELDS, OUTCOMES, AttachTimings, ParallelRecord, Rec
 
 if TYPE_CHECKING:
     from ..route.table import RouteTable
+    from .attachment import Attachment
 
 SCHEMA = 1
 """The receipt format `Plan.to_dict` writes and `Plan.load` reads; other versions are refused."""
@@ -26,22 +26,23 @@ class ReceiptError(ValueError):
 
 @dataclass
 class Plan:
+    """What an attach decided (the records, environment and options: data, as a receipt saves them) and, for the
+    plan `attach` returned, the `Attachment` it holds: the live side that `detach` releases."""
+
     sites: list[SiteRecord]
     environment: dict[str, Any]
     options: dict[str, Any]
-    _fallbacks: Callable[[], dict[str, int]] = field(repr=False, default=dict)
-    _routed: Callable[[], dict[str, int]] = field(repr=False, default=dict)
-    _revert: Callable[[], None] | None = field(repr=False, default=None)
     detached: bool = False
-    staging: StagingPool | None = field(repr=False, default=None)
-    """The attach's staging pool: scratch shared by every bound site (not per site), released by detach."""
-    routes: RouteTable | None = field(repr=False, default=None)
-    """The attach's routes: what bound calls run, with the mask patterns they check (released by detach)."""
     timings: AttachTimings | None = None
     receipt: ReceiptUse | None = None  # the receipt this attach reused decisions from, if any
     source: str | None = None  # the file a loaded plan (`Plan.load`) was read from
     parallel: ParallelRecord | None = None
     """Under context parallelism: the world size, the degrees and the ranks whose figures every decision combined."""
+    attachment: Attachment | None = field(repr=False, compare=False, default=None)
+    """The attach's live side (None in a loaded plan or a copy)."""
+    recorded_fallbacks: dict[str, int] = field(repr=False, default_factory=dict)
+    recorded_routed: dict[str, int] = field(repr=False, default_factory=dict)
+    """The counters as a receipt or a copy recorded them (a plan with an attachment reads them live)."""
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
@@ -70,29 +71,36 @@ class Plan:
             sites = [SiteRecord.from_dict(s, f"sites[{i}]") for i, s in enumerate(read["sites"])]
         except json_fields.FieldError as exc:
             raise ReceiptError(f"{source}: malformed plan receipt: {exc}") from exc
-        fallbacks, routed = read["fallbacks"], read["routed"]
-        return cls(sites=sites, environment=read["environment"], options=read["options"],
-                   _fallbacks=lambda: fallbacks, _routed=lambda: routed, detached=True, timings=read["timings"],
-                   receipt=read["receipt"], source=source, parallel=read["parallel"])
+        return cls(sites=sites, environment=read["environment"], options=read["options"], detached=True,
+                   timings=read["timings"], receipt=read["receipt"], source=source, parallel=read["parallel"],
+                   recorded_fallbacks=read["fallbacks"], recorded_routed=read["routed"])
 
     def __getstate__(self) -> dict[str, Any]:
         """What pickling (and `copy`) keeps: the plan's data (records, environment, options, timings, the counters as
-        they are now). The live parts (the revert actions, the counters' sources, staging, routes) belong to the
-        attach that made them: a copy holds none and is detached, so only the original plan can detach the model."""
-        fallbacks, routed = self.fallbacks, self.routed
-        return {**self.__dict__, "_fallbacks": functools.partial(dict, fallbacks),
-                "_routed": functools.partial(dict, routed), "_revert": None, "detached": True, "staging": None,
-                "routes": None}
+        they are now). The attachment belongs to the attach that made it: a copy holds none and is detached, so only
+        the original plan can detach the model."""
+        return {**self.__dict__, "attachment": None, "detached": True, "recorded_fallbacks": self.fallbacks,
+                "recorded_routed": self.routed}
 
     @property
     def fallbacks(self) -> dict[str, int]:
         """Calls at bound sites that the guard sent to the host (a shape, dtype or mask not qualified)."""
-        return dict(self._fallbacks())
+        return self.attachment.fallbacks() if self.attachment is not None else dict(self.recorded_fallbacks)
 
     @property
     def routed(self) -> dict[str, int]:
         """Calls that bound forms served, per site, since attach."""
-        return dict(self._routed())
+        return self.attachment.routed() if self.attachment is not None else dict(self.recorded_routed)
+
+    @property
+    def staging(self) -> StagingPool | None:
+        """The attach's staging pool: scratch shared by every bound site (not per site), released by detach."""
+        return self.attachment.staging if self.attachment is not None else None
+
+    @property
+    def routes(self) -> RouteTable | None:
+        """The attach's routes: what bound calls run, with the mask patterns they check (released by detach)."""
+        return self.attachment.routes if self.attachment is not None else None
 
     def site(self, name: str) -> SiteRecord:
         for s in self.sites:
