@@ -72,8 +72,8 @@ def attach(model: nn.Module | Any, example: Example, options: AttachOptions | No
     calibration: a dict of forward kwargs, a tuple of args, or a zero-argument callable (for a pipeline, say
     `lambda: pipe(prompt, num_inference_steps=2)`); dicts and tuples are passed to `model` itself.
     """
-    options = AttachOptions.of(options, kwargs)
     _refuse_nested(model)
+    options = AttachOptions.of(options, kwargs)
     job = Job.of(model, example, options)
     calibration = job.calibration()
     installation = Installation.of(job.adapter, job.modules, job.ffn_modules, calibration.meet_attention,

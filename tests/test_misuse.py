@@ -71,3 +71,18 @@ def test_a_pickled_or_copied_plan_is_its_data_detached_and_only_the_original_det
             assert sum(plan.routed.values()) > sum(routed.values())  # still routed by the original plan
             detach(plan)
         assert torch.equal(run(model, inputs), reference)
+
+
+def test_attach_takes_its_options_as_keywords_or_one_attach_options_record():
+    from flash_catalog import AttachOptions
+
+    host = build("wan")
+    plan = attach(host.model, host.inputs(), AttachOptions(attention_forms=[]))
+    assert plan.options["attention_forms"] == [] and plan.counts()["host"] == len(plan.sites)
+    detach(plan)
+    with pytest.raises(TypeError, match="an AttachOptions and keyword options"):
+        attach(host.model, host.inputs(), AttachOptions(), min_speedup=1.0)
+    with pytest.raises(TypeError, match="keyword arguments or one AttachOptions"):
+        attach(host.model, host.inputs(), ["sdpa_dense"])
+    with pytest.raises(ValueError, match=r"min_speedup=-1 is out of range"):
+        AttachOptions(min_speedup=-1)
