@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from flash_catalog import gate
-from flash_catalog.gate import measure_accuracy
+from flash_catalog.decide import gate
+from flash_catalog.decide.gate import measure_accuracy
 
 
 def _reference(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:

@@ -12,8 +12,8 @@ from diffusers.models import attention_dispatch
 from diffusers.models.transformers import transformer_ltx, transformer_ltx2, transformer_wan
 
 from flash_catalog import AttachError, Catalog, SpecError, attach, detach
-from flash_catalog.catalog import specs_dir
-from flash_catalog.tiny_hosts import build
+from flash_catalog.catalog.catalog import specs_dir
+from flash_catalog.cli.tiny_hosts import build
 
 SDPA = F.scaled_dot_product_attention
 DISPATCH = attention_dispatch.dispatch_attention_fn

@@ -76,7 +76,7 @@ def test_calls_are_counted_over_the_whole_calibration():
 
 def test_a_failing_gate_during_calibration_names_the_site_and_restores_the_host(monkeypatch):
     from flash_catalog import AttachError
-    from flash_catalog import decide
+    from flash_catalog.decide import decide
 
     torch.manual_seed(2)
     model = Stack(depth=2).eval()

@@ -7,8 +7,8 @@ import re
 import pytest
 import torch
 
-from flash_catalog import tiny_hosts
-from flash_catalog.cli import main
+from flash_catalog.cli import tiny_hosts
+from flash_catalog.cli.main import main
 
 
 def test_demo_default_host_binds_a_grouped_form_and_prints_its_timing(capsys):

@@ -13,7 +13,7 @@ from torch._dynamo.testing import EagerAndRecordGraphs
 from torch._dynamo.utils import counters
 
 from flash_catalog import attach, detach
-from flash_catalog.tiny_hosts import build
+from flash_catalog.cli.tiny_hosts import build
 
 BLOCKS = {"ltx2": 1, "wan": 1, "flux": 2}  # distinct block structures: Flux has double and single blocks
 

@@ -88,8 +88,8 @@ def _scenario(case: Case, out_dir: Path) -> dict:
     from diffusers import ContextParallelConfig
 
     from flash_catalog import AttachError, attach, detach
-    from flash_catalog.catalog import Catalog
-    from flash_catalog.tiny_hosts import build
+    from flash_catalog.catalog.catalog import Catalog
+    from flash_catalog.cli.tiny_hosts import build
 
     host = build(case.name)
     inputs = host.inputs()

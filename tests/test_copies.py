@@ -10,7 +10,7 @@ import torch
 
 from flash_catalog import attach, detach
 from flash_catalog.adapters.swap import STATE
-from flash_catalog.tiny_hosts import build
+from flash_catalog.cli.tiny_hosts import build
 
 
 def diffusers_host(name, dtype=torch.float32, **options):

@@ -6,7 +6,7 @@ import torch
 from diffusers.models.attention import FeedForward
 
 from flash_catalog import attach, detach
-from flash_catalog.tiny_hosts import build
+from flash_catalog.cli.tiny_hosts import build
 
 
 def run(model, inputs):
@@ -161,7 +161,7 @@ def test_the_projection_profile_names_its_patterns():
 
 
 def test_alike_ffn_sites_share_one_timing_and_each_gates_its_own_accuracy(monkeypatch):
-    from flash_catalog import decide
+    from flash_catalog.decide import decide
 
     timed = []
     real = decide.paired_speedup

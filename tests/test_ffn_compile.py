@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 diffusers_attention = pytest.importorskip("diffusers.models.attention")
 FeedForward = diffusers_attention.FeedForward
 
-from flash_catalog.catalog import specs_dir  # noqa: E402
+from flash_catalog.catalog.catalog import specs_dir  # noqa: E402
 from flash_catalog.forms.context import FormContext  # noqa: E402
 from flash_catalog.forms.fp8_rowwise import Fp8RowwiseFfn, Fp8UpFfn  # noqa: E402
 from flash_catalog.forms.int8_rowwise import Int8RowwiseFfn  # noqa: E402
@@ -26,7 +26,7 @@ from flash_catalog.kernels.fp8_rowwise import quantize_weight_fp8  # noqa: E402
 from flash_catalog.kernels.int8_gemm import quantize_weight_int8  # noqa: E402
 from flash_catalog.kernels.linear_ops import nvfp4_linear, w8a8_linear  # noqa: E402
 from flash_catalog.kernels.nvfp4 import quantize_nvfp4  # noqa: E402
-from flash_catalog.specs import load_spec  # noqa: E402
+from flash_catalog.catalog.specs import load_spec  # noqa: E402
 
 FORMS = {"fp8_rowwise": Fp8RowwiseFfn, "int8_rowwise": Int8RowwiseFfn, "fp8_rowwise_up": Fp8UpFfn,
          "nvfp4_w4a4": NvFp4Ffn}

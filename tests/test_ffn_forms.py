@@ -16,14 +16,14 @@ from torch import nn
 diffusers_attention = pytest.importorskip("diffusers.models.attention")
 FeedForward = diffusers_attention.FeedForward
 
-from flash_catalog.catalog import Catalog, build_form, specs_dir  # noqa: E402
+from flash_catalog.catalog.catalog import Catalog, build_form, specs_dir  # noqa: E402
 from flash_catalog.forms.fp8_rowwise import (ACTIVATIONS, Fp8RowwiseFfn, Fp8UpFfn,  # noqa: E402
                                              QuantizedFeedForward, QuantizedUpFeedForward)
 from flash_catalog.forms.context import FormContext  # noqa: E402
 from flash_catalog.forms.nvfp4_w4a4 import NvFp4FeedForward, NvFp4Ffn  # noqa: E402
 from flash_catalog.kernels import fp8_rowwise as fp8  # noqa: E402
 from flash_catalog.kernels import nvfp4  # noqa: E402
-from flash_catalog.specs import load_spec  # noqa: E402
+from flash_catalog.catalog.specs import load_spec  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 HOST_ACTIVATIONS = ["gelu", "gelu-approximate", "geglu", "geglu-approximate", "swiglu", "linear-silu"]

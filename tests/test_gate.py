@@ -13,8 +13,8 @@ import time
 import pytest
 import torch
 
-from flash_catalog.gate import (SETTLE_S, SpeedVerdict, Timing, measure_accuracy, paired_speedup, repeats, settle_calls,
-                                signed_rank_interval, summarize, walsh_averages)
+from flash_catalog.decide.gate import (SETTLE_S, SpeedVerdict, Timing, measure_accuracy, paired_speedup, repeats,
+                                       settle_calls, signed_rank_interval, summarize, walsh_averages)
 
 CPU = torch.device("cpu")
 

@@ -14,9 +14,9 @@ from torch._dynamo.testing import EagerAndRecordGraphs
 from torch._dynamo.utils import counters
 
 from flash_catalog import Catalog, attach, detach
-from flash_catalog.adapters import routes
-from flash_catalog.catalog import specs_dir
-from flash_catalog.tiny_hosts import build
+from flash_catalog.route import table as routes
+from flash_catalog.catalog.catalog import specs_dir
+from flash_catalog.cli.tiny_hosts import build
 
 SDPA_SPEC = (Path(specs_dir()) / "attention_core" / "sdpa_dense.toml").read_text()
 
@@ -150,7 +150,7 @@ class _GivenMask(torch.nn.Module):
 
 
 def test_the_gate_reads_the_mask_at_every_call_only_where_the_host_builds_a_new_one(monkeypatch):
-    from flash_catalog.mask_check import MaskCheck
+    from flash_catalog.capture.mask_check import MaskCheck
 
     reads = [0]
     passes = MaskCheck.passes

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from flash_catalog import attach, detach
-from flash_catalog.tiny_hosts import build
+from flash_catalog.cli.tiny_hosts import build
 
 pytestmark = pytest.mark.gpu
 
@@ -120,7 +120,7 @@ def test_cuda_fp8_ffn_offloads_host_weights_and_restores_them():
 
 @pytest.mark.parametrize("pv", ["fp8", "fp16"])  # on sm_90 fp16 runs the Gluon kernel, fp8 the Triton one
 def test_cuda_sage2_op_compiles_and_replays_in_a_cuda_graph(pv):
-    from flash_catalog.kernels.sage2_op import sage2_attention_op
+    from flash_catalog.kernels.sage2.op import sage2_attention_op
 
     q, k, v = (torch.randn(1, 8, 1024, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     eager = sage2_attention_op(q, k, v, None, pv, False)

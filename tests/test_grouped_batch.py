@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flash_catalog.calls import AttentionCall
-from flash_catalog.catalog import Catalog, build_form
+from flash_catalog.capture.calls import AttentionCall
+from flash_catalog.catalog.catalog import Catalog, build_form
 from flash_catalog.forms.grouped_batch import _fold, _heads_fold_is_view
-from flash_catalog.masks import describe_mask
+from flash_catalog.capture.masks import describe_mask
 
 
 def covariate_mask(groups: int, size: int, seed: int) -> torch.Tensor:

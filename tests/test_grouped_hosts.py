@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.functional import scaled_dot_product_attention as imported_sdpa
 
 from flash_catalog import attach, detach
-from flash_catalog.grouped_variates import VariateMixer, variate_mask
+from flash_catalog.cli.grouped_variates import VariateMixer, variate_mask
 
 SDPA = F.scaled_dot_product_attention
 

@@ -13,11 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flash_catalog import attach, detach
-from flash_catalog.calls import AttentionCall
-from flash_catalog.catalog import Catalog, build_form, specs_dir
+from flash_catalog.capture.calls import AttentionCall
+from flash_catalog.catalog.catalog import Catalog, build_form, specs_dir
 from flash_catalog.kernels.grouped_attention import (build_plan, dense_mask, grouped_attention,
                                                      reference_attention)
-from flash_catalog.masks import describe_mask
+from flash_catalog.capture.masks import describe_mask
 from test_grouped_hosts import SDPA, host_and_inputs, outputs, variate_mask
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the kernel runs in Triton's interpreter

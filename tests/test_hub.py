@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from flash_catalog import Catalog, KernelUnavailable, SpecError, attach, detach, load_spec
-from flash_catalog.catalog import build_form, specs_dir
-from flash_catalog.cli import main
+from flash_catalog.catalog.catalog import build_form, specs_dir
+from flash_catalog.cli.main import main
 from flash_catalog.forms.hub import HubAttention, resolve_function
 from flash_catalog.forms.unavailable import Unavailable
 from test_grouped_hosts import Block
@@ -31,7 +31,7 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 SITE, Q = "<model>#0", "q=(2,2,17,64)"  # the one site of `block()` and its shape at `x()`
 
 SAGE2_PACKAGE = '''
-from flash_catalog.kernels.sage2_attention import sage2_attention
+from flash_catalog.kernels.sage2.triton_kernel import sage2_attention
 
 
 def attention(q, k, v, *, scale=None, is_causal=False, pv="fp8"):

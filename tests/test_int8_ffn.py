@@ -5,13 +5,13 @@ import torch
 from diffusers.models.attention import FeedForward
 
 from flash_catalog import attach, detach
-from flash_catalog.catalog import specs_dir
+from flash_catalog.catalog.catalog import specs_dir
 from flash_catalog.forms.fp8_rowwise import QuantizedFeedForward, QuantizedLinear
 from flash_catalog.forms.int8_rowwise import INT8, Int8RowwiseFfn
-from flash_catalog.profiles import get_profile
+from flash_catalog.catalog.profiles import get_profile
 from flash_catalog.kernels.int8_gemm import quantize_rows_int8, quantize_rows_int8_torch
-from flash_catalog.specs import load_spec
-from flash_catalog.tiny_hosts import build
+from flash_catalog.catalog.specs import load_spec
+from flash_catalog.cli.tiny_hosts import build
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:

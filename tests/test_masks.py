@@ -10,8 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from flash_catalog import masks
-from flash_catalog.masks import (
+from flash_catalog.capture import masks
+from flash_catalog.capture.masks import (
     ALL_PASS, ARBITRARY, BLOCK_DIAGONAL, CAUSAL, KEY_PADDING, NONE, SLIDING_WINDOW,
     MaskCache, MaskInfo, classify_mask, describe_mask,
 )
@@ -394,8 +394,8 @@ def test_causal_with_padding(s, pads, left):
 def test_mask_match_kernel_agrees_with_the_torch_check(case):
     """The one-pass Triton check (CUDA's path) gives the torch path's verdict, for matching and broken masks."""
     from flash_catalog.kernels.mask_match import mask_matches
-    from flash_catalog.mask_check import MaskCheck
-    from flash_catalog.masks import blocked_at, describe_mask
+    from flash_catalog.capture.mask_check import MaskCheck
+    from flash_catalog.capture.masks import blocked_at, describe_mask
 
     gid = torch.arange(48) // 8
     groups = gid[:, None] == gid[None, :]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flash_catalog import Plan, attach, detach
-from flash_catalog.tiny_hosts import build, wan_pipeline
+from flash_catalog.cli.tiny_hosts import build, wan_pipeline
 
 
 def run(model, inputs):
@@ -61,7 +61,7 @@ def test_a_pickled_or_copied_plan_is_its_data_detached_and_only_the_original_det
         assert twin.to_dict() == {**data, "detached": True,
                                   "memory": {**data["memory"], "staging_bytes": 0, "mask_check_bytes": 0}}
         assert twin.sites == plan.sites and twin.environment == plan.environment and twin.options == plan.options
-        assert twin.detached and twin._revert is None and twin.staging is None and twin.routes is None
+        assert twin.detached and twin.attachment is None and twin.staging is None and twin.routes is None
         assert plan.detached is not attached  # the original is untouched
         detach(twin)  # inert: the model stays as it was
         routed = plan.routed
@@ -71,3 +71,18 @@ def test_a_pickled_or_copied_plan_is_its_data_detached_and_only_the_original_det
             assert sum(plan.routed.values()) > sum(routed.values())  # still routed by the original plan
             detach(plan)
         assert torch.equal(run(model, inputs), reference)
+
+
+def test_attach_takes_its_options_as_keywords_or_one_attach_options_record():
+    from flash_catalog import AttachOptions
+
+    host = build("wan")
+    plan = attach(host.model, host.inputs(), AttachOptions(attention_forms=[]))
+    assert plan.options["attention_forms"] == [] and plan.counts()["host"] == len(plan.sites)
+    detach(plan)
+    with pytest.raises(TypeError, match="an AttachOptions and keyword options"):
+        attach(host.model, host.inputs(), AttachOptions(), min_speedup=1.0)
+    with pytest.raises(TypeError, match="keyword arguments or one AttachOptions"):
+        attach(host.model, host.inputs(), ["sdpa_dense"])
+    with pytest.raises(ValueError, match=r"min_speedup=-1 is out of range"):
+        AttachOptions(min_speedup=-1)

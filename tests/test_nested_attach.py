@@ -11,7 +11,7 @@ from diffusers.models.transformers import transformer_wan
 
 from flash_catalog import AttachError, attach, attached, detach
 from flash_catalog.adapters.swap import STATE
-from flash_catalog.tiny_hosts import build
+from flash_catalog.cli.tiny_hosts import build
 
 SDPA = F.scaled_dot_product_attention
 DISPATCH = attention_dispatch.dispatch_attention_fn

@@ -11,8 +11,8 @@ from flash_catalog.kernels.interpreter import interpreted
 from flash_catalog.kernels.nvfp4 import E2M1_VALUES, round_to_e2m1
 from flash_catalog.kernels.nvfp4_attention import (BLOCK_M, BLOCK_N, _e2m1_codes, nvfp4_attention,
                                                    nvfp4_attention_reference, quantize_attention_inputs)
-from flash_catalog.kernels.sage2_reference import exact_attention
-from flash_catalog.specs import SpecError, load_spec
+from flash_catalog.kernels.sage2.reference import exact_attention
+from flash_catalog.catalog.specs import SpecError, load_spec
 from test_sage2_forms import blocks
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -11,7 +11,7 @@ from diffusers.models.transformers import transformer_wan
 
 from flash_catalog import AttachError, attach, attached
 from flash_catalog.adapters.swap import host_type, state_of
-from flash_catalog.tiny_hosts import wan_pipeline
+from flash_catalog.cli.tiny_hosts import wan_pipeline
 
 
 def generate(pipe):

@@ -1,7 +1,8 @@
 """How a plan prints: one table line per site and shape with long cells cut, the full reason kept in the data,
 and a one-line repr."""
 
-from flash_catalog.plan import Plan, ShapeRecord, SiteRecord
+from flash_catalog.plan.plan import Plan
+from flash_catalog.plan.records import ShapeRecord, SiteRecord
 
 LONG = ("grouped_batch: 4.722x (18.858 -> 3.994 ms, spread 2.733-9.155x, 9 rounds), faster than 1.02x, "
         "cos=1.000000 err=0.00e+00; 32 groups of 16 as batch, in-group covariate_target")

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from flash_catalog import attach, detach
-from flash_catalog.tiny_hosts import build
+from flash_catalog.cli.tiny_hosts import build
 
 
 class Sdpa(torch.nn.Module):

@@ -14,9 +14,9 @@ import torch
 if not torch.cuda.is_available():  # must precede any triton import: @triton.jit picks the interpreter at decoration
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from flash_catalog.kernels import sage2_cuda  # noqa: E402
+from flash_catalog.kernels.sage2 import cuda_kernel as sage2_cuda  # noqa: E402
 from flash_catalog.kernels.cuda_build import BuildStatus, find_nvcc, forget_builds  # noqa: E402
-from flash_catalog.kernels.sage2_quant import quantize_qkv  # noqa: E402
+from flash_catalog.kernels.sage2.quant import quantize_qkv  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -135,8 +135,8 @@ def _staged_for_the_kernel(q, k, v, scale, pv):
     (1, 4, 4, 1000, 777, 128, False, 0.0), (2, 6, 2, 333, 1500, 64, False, 0.0), (1, 2, 1, 129, 1, 128, False, 0.0),
     (1, 4, 2, 700, 700, 128, True, 0.0), (1, 2, 2, 513, 900, 64, True, 0.0), (1, 2, 2, 8192, 8192, 128, False, 3.0)])
 def test_cuda_kernel_matches_fp64_and_the_triton_kernel(b, hq, hkv, sq, skv, d, causal, v_mean, pv):
-    from flash_catalog.kernels.sage2_attention import sage2_attention
-    from flash_catalog.kernels.sage2_reference import exact_attention
+    from flash_catalog.kernels.sage2.triton_kernel import sage2_attention
+    from flash_catalog.kernels.sage2.reference import exact_attention
 
     g = torch.Generator(device="cuda").manual_seed(sq + skv)
     q = torch.randn(b, hq, sq, d, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -234,7 +234,7 @@ def test_a_call_without_query_rows_returns_empty_results():
 @needs_hopper
 @pytest.mark.parametrize("pv", ["fp8", "fp16"])
 def test_the_lse_op_compiles_fullgraph(pv):
-    from flash_catalog.kernels.sage2_op import sage2_cuda_attention_lse_op
+    from flash_catalog.kernels.sage2.op import sage2_cuda_attention_lse_op
 
     q = torch.randn(1, 4, 1000, 128, device="cuda", dtype=torch.bfloat16)
     out, lse = sage2_cuda_attention_lse_op(q, q, q, None, pv, False)
@@ -247,7 +247,7 @@ def test_the_lse_op_compiles_fullgraph(pv):
 @needs_hopper
 @pytest.mark.parametrize("pv", ["fp8", "fp16"])
 def test_the_op_compiles_fullgraph_and_replays_in_a_cuda_graph(pv):
-    from flash_catalog.kernels.sage2_op import sage2_cuda_attention_op
+    from flash_catalog.kernels.sage2.op import sage2_cuda_attention_op
 
     q = torch.randn(1, 4, 1000, 128, device="cuda", dtype=torch.bfloat16)
     eager = sage2_cuda_attention_op(q, q, q, None, pv, False)

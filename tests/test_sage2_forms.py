@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flash_catalog import Catalog, attach, detach
-from flash_catalog.catalog import specs_dir
+from flash_catalog.catalog.catalog import specs_dir
 from test_grouped_hosts import Block
 
 
@@ -64,7 +64,7 @@ def test_sage2_binds_through_the_interpreter_and_detaches(tmp_path):
 @pytest.mark.interpreter
 def test_the_custom_op_traces_under_torch_compile():
     """torch.compile sees the registered op (its fake gives the shape) instead of breaking the graph."""
-    from flash_catalog.kernels.sage2_op import sage2_attention_op
+    from flash_catalog.kernels.sage2.op import sage2_attention_op
 
     q, k, v = (torch.randn(1, 2, 33, 64, dtype=torch.float16) for _ in range(3))
 

@@ -17,9 +17,9 @@ def _rel_l2(a, b):
 @pytest.mark.parametrize("b,hq,hkv,sq,skv,d", [(1, 4, 4, 1000, 777, 128), (2, 6, 2, 333, 1500, 64),
                                                (1, 2, 1, 64, 129, 128), (1, 2, 2, 4096, 4096, 128)])
 def test_gluon_matches_the_triton_kernel_on_the_same_staging(b, hq, hkv, sq, skv, d):
-    from flash_catalog.kernels.sage2_attention import quantize_qkv, sage2_attention_staged
-    from flash_catalog.kernels.sage2_gluon import sage2_gluon_staged, staging_tiles
-    from flash_catalog.kernels.sage2_reference import exact_attention
+    from flash_catalog.kernels.sage2.triton_kernel import quantize_qkv, sage2_attention_staged
+    from flash_catalog.kernels.sage2.gluon_kernel import sage2_gluon_staged, staging_tiles
+    from flash_catalog.kernels.sage2.reference import exact_attention
 
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(b, hq, sq, d, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -39,8 +39,8 @@ def test_gluon_matches_the_triton_kernel_on_the_same_staging(b, hq, hkv, sq, skv
 
 
 def test_gluon_refuses_mismatched_staging():
-    from flash_catalog.kernels.sage2_attention import quantize_qkv
-    from flash_catalog.kernels.sage2_gluon import sage2_gluon_staged
+    from flash_catalog.kernels.sage2.triton_kernel import quantize_qkv
+    from flash_catalog.kernels.sage2.gluon_kernel import sage2_gluon_staged
 
     q = torch.randn(1, 2, 256, 128, device="cuda", dtype=torch.bfloat16)
     staged = quantize_qkv(q, q, q, pv="fp8", block_m=128, block_n=64)
@@ -55,9 +55,9 @@ def test_gluon_refuses_mismatched_staging():
 @pytest.mark.parametrize("b,hq,hkv,sq,skv,d", [(1, 4, 4, 1000, 777, 128), (2, 6, 2, 333, 1500, 64),
                                                (1, 2, 1, 64, 129, 128)])
 def test_gluon_fp16_pv_matches_the_triton_kernel_on_the_same_staging(b, hq, hkv, sq, skv, d):
-    from flash_catalog.kernels.sage2_attention import quantize_qkv, sage2_attention_staged
-    from flash_catalog.kernels.sage2_gluon import sage2_gluon_staged, staging_tiles
-    from flash_catalog.kernels.sage2_reference import exact_attention
+    from flash_catalog.kernels.sage2.triton_kernel import quantize_qkv, sage2_attention_staged
+    from flash_catalog.kernels.sage2.gluon_kernel import sage2_gluon_staged, staging_tiles
+    from flash_catalog.kernels.sage2.reference import exact_attention
 
     g = torch.Generator(device="cuda").manual_seed(1)
     q = torch.randn(b, hq, sq, d, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -78,7 +78,7 @@ def test_gluon_fp16_pv_matches_the_triton_kernel_on_the_same_staging(b, hq, hkv,
 
 
 def test_auto_picks_gluon_where_it_serves():
-    from flash_catalog.kernels.sage2_attention import choose_kernel
+    from flash_catalog.kernels.sage2.selection import choose_kernel
 
     q = torch.randn(1, 2, 256, 128, device="cuda", dtype=torch.bfloat16)
     assert choose_kernel(q, "fp16", False) == "gluon"

@@ -9,10 +9,10 @@ import torch
 if not torch.cuda.is_available():  # must precede any triton import: @triton.jit picks the interpreter at decoration
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from flash_catalog.kernels.sage2_attention import (choose_kernel, quantize_qkv,  # noqa: E402
-                                                   sage2_attention, sage2_attention_staged, staging_tiles_for)
-from flash_catalog.kernels.sage2_quant import STATS_PROGRAMS, staging_layout, stats_chunk  # noqa: E402
-from flash_catalog.kernels.sage2_reference import exact_attention, reference_quantize, sage2_reference  # noqa: E402
+from flash_catalog.kernels.sage2.selection import choose_kernel, staging_tiles_for  # noqa: E402
+from flash_catalog.kernels.sage2.triton_kernel import quantize_qkv, sage2_attention, sage2_attention_staged  # noqa: E402
+from flash_catalog.kernels.sage2.quant import STATS_PROGRAMS, staging_layout, stats_chunk  # noqa: E402
+from flash_catalog.kernels.sage2.reference import exact_attention, reference_quantize, sage2_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL_N = 16 if DEVICE == "cpu" else 32  # the smallest key tile: an FP8 P.V product needs K >= 32 on the GPU
@@ -238,7 +238,7 @@ def test_gpu_b1_h4_s1000_d128(pv, is_causal):
 
 
 def test_kernel_choice_names_why_the_gluon_kernel_does_not_serve():
-    from flash_catalog.kernels.sage2_attention import gluon_refusal
+    from flash_catalog.kernels.sage2.selection import gluon_refusal
 
     q = torch.zeros(1, 2, 8, 128, device=DEVICE, dtype=torch.bfloat16)
     assert gluon_refusal(q, "int4", False) == "pv='int4' (it serves 'fp8' and 'fp16')"

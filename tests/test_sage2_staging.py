@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from flash_catalog import AttachError, attach, detach
-from flash_catalog.kernels.sage2_attention import sage2_attention, staging_keys
-from flash_catalog.kernels.sage2_op import sage2_attention_op
+from flash_catalog.kernels.sage2.selection import staging_keys
+from flash_catalog.kernels.sage2.triton_kernel import sage2_attention
+from flash_catalog.kernels.sage2.op import sage2_attention_op
 from flash_catalog.kernels.staging import StagingPool, live_pools
 from test_sage2_forms import blocks, cpu_sage2_catalog
 
@@ -223,7 +224,7 @@ def test_shapes_the_gates_tried_but_did_not_bind_leave_no_staging(tmp_path):
 @pytest.mark.interpreter
 def test_fp16_v_staging_for_the_gluon_kernel():
     """v_fp16=True (the Gluon kernel's fp16 P.V): V is staged as a zero-padded fp16 copy, from the pool."""
-    from flash_catalog.kernels.sage2_quant import quantize_qkv, staging_layout
+    from flash_catalog.kernels.sage2.quant import quantize_qkv, staging_layout
 
     layout = staging_layout((1, 2, 70, 64), (1, 1, 100, 64), pv="fp16", block_m=64, block_n=128, v_fp16=True)
     assert layout["v16"] == ((1, 1, 128, 64), torch.float16)

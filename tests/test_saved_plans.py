@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flash_catalog import Basis, Catalog, Plan, ReceiptError, attach, detach
-from flash_catalog import decide as decide_module
-from flash_catalog.catalog import specs_dir
-from flash_catalog.environment import describe, environment
-from flash_catalog.tiny_hosts import build
+from flash_catalog.decide import decide as decide_module
+from flash_catalog.catalog.catalog import specs_dir
+from flash_catalog.plan.environment import describe, environment
+from flash_catalog.cli.tiny_hosts import build
 
 SDPA_SPEC = (Path(specs_dir()) / "attention_core" / "sdpa_dense.toml").read_text()
 
@@ -233,7 +233,7 @@ def test_feed_forward_decisions_are_reused_through_the_same_path(tmp_path, timin
 
 def test_a_stored_shape_key_names_the_device_by_its_type():
     """Ranks of one context-parallel model run on cuda:0 and cuda:1: their keys (and receipts) must agree."""
-    from flash_catalog.calls import ShapeKey
+    from flash_catalog.capture.calls import ShapeKey
     key = ShapeKey("bshd", (1, 8, 2, 4), (1, 8, 2, 4), (1, 8, 2, 4), "bfloat16", "cuda:1", "none", None, None, None,
                    False, None, False)
     assert key.fields()["device"] == "cuda"

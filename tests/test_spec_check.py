@@ -9,10 +9,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flash_catalog import Catalog, SpecError
-from flash_catalog.availability import Machine, availability
-from flash_catalog.catalog import specs_dir
-from flash_catalog.profiles import load_profiles, profile_problems, read_profile
-from flash_catalog.spec_check import FileKind, check
+from flash_catalog.catalog.availability import Machine, availability
+from flash_catalog.catalog.catalog import specs_dir
+from flash_catalog.catalog.profiles import load_profiles, profile_problems, read_profile
+from flash_catalog.catalog.spec_check import FileKind, check
 
 SDPA = (specs_dir() / "attention_core" / "sdpa_dense.toml").read_text()
 
@@ -44,10 +44,12 @@ def test_the_shipped_catalog_and_profiles_check_clean():
 @pytest.mark.parametrize("implementation,message", [
     ("no_such_module_abc:Form", "allowed: an importable 'module:Class' (no module 'no_such_module_abc')"),
     ("noisy_form:NoSuchClass", "allowed: an importable 'module:Class' (noisy_form has no 'NoSuchClass')"),
-    ("flash_catalog.specs:PRECISIONS", "(flash_catalog.specs has a tuple, not a class, as 'PRECISIONS')"),
+    ("flash_catalog.catalog.specs:PRECISIONS",
+     "(flash_catalog.catalog.specs has a tuple, not a class, as 'PRECISIONS')"),
     ("flash_catalog.forms.fp8_rowwise:Fp8RowwiseFfn", "a vision_ffn form; allowed: a subclass of "
                                                       "flash_catalog.forms.base.AttentionForm (family attention_core)"),
-    ("flash_catalog.catalog:Catalog", "not a form; allowed: a subclass of flash_catalog.forms.base.AttentionForm"),
+    ("flash_catalog.catalog.catalog:Catalog",
+     "not a form; allowed: a subclass of flash_catalog.forms.base.AttentionForm"),
 ])
 def test_the_implementation_is_imported_and_must_be_a_form_of_its_family(tmp_path, implementation, message):
     path = spec(tmp_path, "typo", implementation)
@@ -217,7 +219,7 @@ def test_every_field_of_every_spec_and_profile_is_checked_naming_the_file_and_th
 @pytest.mark.parametrize("kind", ["spec", "profile"])
 def test_a_spec_or_profile_file_that_is_not_utf8_toml_is_one_problem_naming_the_file(tmp_path, capsys, encode,
                                                                                     message, kind):
-    from flash_catalog.cli import main
+    from flash_catalog.cli.main import main
 
     text = SDPA if kind == "spec" else (specs_dir() / "profiles" / "fp8_balance.toml").read_text()
     path = (tmp_path / "profiles" if kind == "profile" else tmp_path) / "encoded.toml"

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from flash_catalog import Catalog, SpecError, load_spec
-from flash_catalog.catalog import specs_dir
+from flash_catalog.catalog.catalog import specs_dir
 
 GOOD = """
 name = "toy_form"
@@ -193,7 +193,7 @@ def test_a_catalog_load_reports_the_problems_of_every_file(tmp_path):
 
 
 def test_build_form_refuses_a_class_of_the_other_family(tmp_path):
-    from flash_catalog.catalog import build_form
+    from flash_catalog.catalog.catalog import build_form
 
     spec = load_spec(write(tmp_path, GOOD.replace("flash_catalog.forms.sdpa_dense:SdpaDense",
                                                   "flash_catalog.forms.fp8_rowwise:Fp8RowwiseFfn")))

@@ -19,9 +19,10 @@ pytest.importorskip("tirex2")
 
 from tirex2.model.component.attention_block import AttentionLayer  # noqa: E402
 
-from flash_catalog import attach, detach, tirex2_host  # noqa: E402
-from flash_catalog.catalog import Catalog, specs_dir  # noqa: E402
-from flash_catalog.masks import BLOCK_DIAGONAL, RULE_COVARIATE_TARGET, describe_mask  # noqa: E402
+from flash_catalog import attach, detach  # noqa: E402
+from flash_catalog.cli import tirex2_host  # noqa: E402
+from flash_catalog.catalog.catalog import Catalog, specs_dir  # noqa: E402
+from flash_catalog.capture.masks import BLOCK_DIAGONAL, RULE_COVARIATE_TARGET, describe_mask  # noqa: E402
 
 pytestmark = pytest.mark.interpreter
 SDPA = F.scaled_dot_product_attention

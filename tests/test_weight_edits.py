@@ -12,7 +12,7 @@ from torch import nn
 
 from flash_catalog import attach, detach
 from flash_catalog.adapters.swap import STATE
-from flash_catalog.tiny_hosts import build
+from flash_catalog.cli.tiny_hosts import build
 
 OPTIONS = {"attention_forms": [], "projections": ["*attn1.to_q"], "min_speedup": 0, "timing_rounds": 1}
 

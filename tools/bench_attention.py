@@ -22,12 +22,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flash_catalog import attach, detach  # noqa: E402
-from flash_catalog.environment import environment  # noqa: E402
+from flash_catalog.plan.environment import environment  # noqa: E402
 from flash_catalog.forms.sdpa_dense import SdpaDense  # noqa: E402
 from flash_catalog.binder import default_catalog  # noqa: E402
-from flash_catalog.calls import AttentionCall  # noqa: E402
-from flash_catalog.gate import measure_accuracy  # noqa: E402
-from flash_catalog.masks import describe_mask  # noqa: E402
+from flash_catalog.capture.calls import AttentionCall  # noqa: E402
+from flash_catalog.decide.gate import measure_accuracy  # noqa: E402
+from flash_catalog.capture.masks import describe_mask  # noqa: E402
 
 
 class Site(torch.nn.Module):

@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flash_catalog import attach, detach  # noqa: E402
-from flash_catalog.environment import environment  # noqa: E402
+from flash_catalog.plan.environment import environment  # noqa: E402
 
 SELECTIONS = {
     "default": {},

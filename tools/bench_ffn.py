@@ -24,11 +24,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from flash_catalog.catalog import specs_dir  # noqa: E402
+from flash_catalog.catalog.catalog import specs_dir  # noqa: E402
 from flash_catalog.forms.fp8_rowwise import Fp8RowwiseFfn, Fp8UpFfn  # noqa: E402
 from flash_catalog.forms.int8_rowwise import Int8RowwiseFfn  # noqa: E402
 from flash_catalog.kernels.fp8_rowwise import fp8_matmul, quantize_rows_fp8, quantize_weight_fp8  # noqa: E402
-from flash_catalog.specs import load_spec  # noqa: E402
+from flash_catalog.catalog.specs import load_spec  # noqa: E402
 
 DIM, INNER = 4096, 16384
 

@@ -23,7 +23,7 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flash_catalog.kernels.nvfp4_attention import nvfp4_attention  # noqa: E402
-from flash_catalog.kernels.sage2_attention import sage2_attention  # noqa: E402
+from flash_catalog.kernels.sage2.triton_kernel import sage2_attention  # noqa: E402
 
 
 def accuracy(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:

@@ -27,11 +27,11 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from flash_catalog.calls import AttentionCall  # noqa: E402
-from flash_catalog.catalog import Catalog, build_form  # noqa: E402
+from flash_catalog.capture.calls import AttentionCall  # noqa: E402
+from flash_catalog.catalog.catalog import Catalog, build_form  # noqa: E402
 from flash_catalog.kernels.grouped_attention import (build_plan, candidate_configs,  # noqa: E402
                                                      grouped_attention)
-from flash_catalog.masks import describe_mask  # noqa: E402
+from flash_catalog.capture.masks import describe_mask  # noqa: E402
 
 def _cfg(m, n, w, st, tma=False, ws=False, fx="off"):
     return {"block_m": m, "block_n": n, "num_warps": w, "num_stages": st, "tma": tma, "warp_specialize": ws,

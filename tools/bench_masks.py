@@ -22,14 +22,14 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flash_catalog.binder import default_catalog  # noqa: E402
-from flash_catalog.calibration import attention_contender  # noqa: E402
-from flash_catalog.calls import AttentionCall  # noqa: E402
-from flash_catalog.catalog import build_form  # noqa: E402
-from flash_catalog.decide import AttachClock, GateOptions, TimingCache, Trial, decide  # noqa: E402
-from flash_catalog.plan import ShapeRecord  # noqa: E402
-from flash_catalog.environment import environment  # noqa: E402
-from flash_catalog.gate import measure_accuracy  # noqa: E402
-from flash_catalog.masks import describe_mask  # noqa: E402
+from flash_catalog.capture.calibration import attention_contender  # noqa: E402
+from flash_catalog.capture.calls import AttentionCall  # noqa: E402
+from flash_catalog.catalog.catalog import build_form  # noqa: E402
+from flash_catalog.decide.decide import AttachClock, GateOptions, TimingCache, Trial, decide  # noqa: E402
+from flash_catalog.plan.records import ShapeRecord  # noqa: E402
+from flash_catalog.plan.environment import environment  # noqa: E402
+from flash_catalog.decide.gate import measure_accuracy  # noqa: E402
+from flash_catalog.capture.masks import describe_mask  # noqa: E402
 
 
 def grouped_mask(groups: int, size: int, covariate_rule: bool, device) -> torch.Tensor:

@@ -75,7 +75,7 @@ from torch import nn  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flash_catalog import Plan, attach, detach  # noqa: E402
-from flash_catalog.environment import environment  # noqa: E402
+from flash_catalog.plan.environment import environment  # noqa: E402
 
 ROWS = ("host_eager", "host_compiled", "attached_eager", "attached_compiled", "peer_compiled")
 DTYPE = torch.bfloat16

@@ -32,8 +32,9 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from flash_catalog.gate import paired_speedup  # noqa: E402
-from flash_catalog.kernels.sage2_attention import default_config, quantize_qkv, sage2_attention  # noqa: E402
+from flash_catalog.decide.gate import paired_speedup  # noqa: E402
+from flash_catalog.kernels.sage2.selection import default_config  # noqa: E402
+from flash_catalog.kernels.sage2.triton_kernel import quantize_qkv, sage2_attention  # noqa: E402
 
 DEFAULT_SHAPES = [(1, 32, 4096, 128), (1, 32, 16384, 128), (1, 32, 24576, 128), (1, 32, 32768, 128),
                   (2, 24, 4096, 64)]
@@ -90,8 +91,8 @@ def graphed_ms(fn, warmup: int, rep: int) -> float:
 def gluon_rows(q, k, v, host_fn, host_ms, row, warmup: int, rep: int, sweep: bool) -> list[dict]:
     """The Hopper Gluon kernel (non-causal), P.V in fp8 and in fp16: full path (quantisation included)
     and kernel alone; rel_l2_vs_triton compares with the Triton kernel on the same staging (same algorithm)."""
-    from flash_catalog.kernels.sage2_attention import sage2_attention_staged
-    from flash_catalog.kernels.sage2_gluon import sage2_gluon_staged, staging_tiles
+    from flash_catalog.kernels.sage2.triton_kernel import sage2_attention_staged
+    from flash_catalog.kernels.sage2.gluon_kernel import sage2_gluon_staged, staging_tiles
     bm, bn = staging_tiles()
     rows = []
     for pv in ("fp8", "fp16"):
@@ -125,7 +126,7 @@ def cuda_rows(q, k, v, causal, host_fn, host_ms, row, warmup: int, rep: int,
     """The CUDA C++ kernel, fp8 and fp16 P.V: full path (quantisation included) and kernel alone; rel_l2_vs_triton
     compares with the Triton kernel (same algorithm, its own staging). With `host_graph_ms`, the full path replayed
     from a CUDA graph too, against the host's replay."""
-    from flash_catalog.kernels import sage2_cuda
+    from flash_catalog.kernels.sage2 import cuda_kernel as sage2_cuda
     rows = []
     for pv in ("fp8", "fp16"):
         impl = f"cuda {pv}"

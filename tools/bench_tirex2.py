@@ -1,7 +1,7 @@
 """The real TiRex-2 (tirex-2 0.4.0, random weights, the released architecture): dense vs its own FlexAttention vs
 attached, at three scopes.
 
-Model: `flash_catalog.tirex2_host.build("released")`: embedding 512, 4 heads (head dim 128), 12 blocks alternating a
+Model: `flash_catalog.cli.tirex2_host.build("released")`: embedding 512, 4 heads (head dim 128), 12 blocks alternating a
 bi-mLSTM and a bi-sLSTM time mixer, each followed by variate attention (`AttentionBlock` -> `AttentionLayer`);
 patches of 32 over context 2048 + future 320 = 74 patches. A batch is W windows of one target + 16 covariates, so
 the variate attention is q = (74, 4, 17 W, 128) under a (1, 1, 17 W, 17 W) bool mask (same window; covariate rows
@@ -48,8 +48,9 @@ from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from flash_catalog import attach, detach, tirex2_host  # noqa: E402
-from flash_catalog.environment import environment  # noqa: E402
+from flash_catalog import attach, detach  # noqa: E402
+from flash_catalog.cli import tirex2_host  # noqa: E402
+from flash_catalog.plan.environment import environment  # noqa: E402
 
 VARIANTS = ("dense", "flex", "attach")
 SCOPES = ("attn", "block", "model")

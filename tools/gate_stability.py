@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flash_catalog import AttachError, Plan, attach, detach  # noqa: E402
-from flash_catalog import tiny_hosts  # noqa: E402
+from flash_catalog.cli import tiny_hosts  # noqa: E402
 
 Bound = tuple[str, str, str]  # (site, shape, form)
 

@@ -1,6 +1,6 @@
 """Where does the Gluon sage2 kernel's time go? Time it with parts of its work removed (wrong outputs on purpose).
 
-Each variant is `flash_catalog/kernels/sage2_gluon.py` with one text substitution, written to a temporary
+Each variant is `flash_catalog/kernels/sage2/gluon_kernel.py` with one text substitution, written to a temporary
 module and imported, so the shipped kernel carries no probe switches. The kernel alone is timed on the same
 staging (`do_bench` median) at one shape; a variant that gets much faster names a bottleneck:
 
@@ -29,10 +29,10 @@ import triton.testing
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from flash_catalog.kernels.sage2_attention import quantize_qkv  # noqa: E402
-from flash_catalog.kernels.sage2_gluon import staging_tiles  # noqa: E402
+from flash_catalog.kernels.sage2.triton_kernel import quantize_qkv  # noqa: E402
+from flash_catalog.kernels.sage2.gluon_kernel import staging_tiles  # noqa: E402
 
-SOURCE = ROOT / "flash_catalog" / "kernels" / "sage2_gluon.py"
+SOURCE = ROOT / "flash_catalog" / "kernels" / "sage2" / "gluon_kernel.py"
 
 PV_ISSUE = "        pv_tok = warpgroup_mma(p8, _v_operand(v_bufs.index(prev), PV_FP16), acc, is_async=True)\n"
 
@@ -59,7 +59,8 @@ VARIANTS: dict[str, list[tuple[str, str]]] = {
 
 
 def load_variant(name: str, workdir: Path):
-    text = SOURCE.read_text().replace("from .", "from flash_catalog.kernels.")
+    text = SOURCE.read_text().replace("from ..", "from flash_catalog.kernels.").replace(
+        "from .", "from flash_catalog.kernels.sage2.")
     for old, new in VARIANTS[name]:
         if old not in text:
             raise SystemExit(f"variant {name}: {old!r} is no longer in {SOURCE.name}; update the ablation")

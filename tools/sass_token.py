@@ -1,8 +1,8 @@
 """Where the sage2 CUDA kernel's exponential token lands in the compiled code, per instantiation and softmax path.
 
 ptxas moves register-only instructions across `bar.sync` and `bar.arrive`, so unless the source pins them with
-dependencies (`kernels/cuda/sage2_sm90.cu`: fp16 P.V is pinned, FP8 is where ptxas puts it) the token's place is the
-compiler's choice, and an edit anywhere near the softmax can move it and the speed with it (notes/sage2.md, twelfth
+dependencies (`kernels/sage2/cuda/sage2_sm90.cu`: fp16 P.V is pinned, FP8 is where ptxas puts it) the token's place is
+the compiler's choice, and an edit anywhere near the softmax can move it and the speed with it (notes/sage2.md, twelfth
 session). Run this after such an edit, before timing: for every token wait (`BAR.SYNC` on a named barrier) and the
 signal after it (`BAR.ARV`), it counts the row-maxima instructions (integer max) before and after the wait, and the
 exponentials (`MUFU.EX2`) and packs (`F2FP`) before and after the signal. Runs on any machine with nvcc and
@@ -125,7 +125,7 @@ def main() -> None:
                  "pip install nvidia-cuda-cuobjdump")
     library = args.library
     if library is None:
-        from flash_catalog.kernels import sage2_cuda
+        from flash_catalog.kernels.sage2 import cuda_kernel as sage2_cuda
         built = sage2_cuda.build()
         if built.path is None:
             sys.exit(f"the kernel did not build: {built.detail}")

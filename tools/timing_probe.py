@@ -26,8 +26,8 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from flash_catalog.gate import paired_speedup  # noqa: E402
-from flash_catalog.kernels.sage2_attention import sage2_attention  # noqa: E402
+from flash_catalog.decide.gate import paired_speedup  # noqa: E402
+from flash_catalog.kernels.sage2.triton_kernel import sage2_attention  # noqa: E402
 
 
 def event_times(fn, calls: int, gap_s: float = 0.0, flush: torch.Tensor | None = None) -> list[float]:

@@ -1,4 +1,6 @@
-"""Installing a router on a model: site states on the site modules, frames, and patches of the attention names.
+"""Installing an attach on a model: the attention router (site states on the site modules, frames, and patches of
+the attention names) and the feed-forward sites (`ffn.py`), through one lifecycle: install, calibrate, bind,
+uninstall.
 
 During calibration, frames come from forward hooks (eager only) or, for adapters whose attention interface receives
 the module, from that interface. Once bound, a routed site module of a hook adapter has its class swapped
@@ -8,13 +10,15 @@ site modules left with no route lose their state and hooks. `uninstall` undoes e
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from .base import Adapter
+from .ffn import Calibrate, FfnSite
 from .patches import GlobalPatch, apply_all, revert_all
-from .router import AttentionRouter, Mode, SiteSlot
+from .router import AttentionRouter, Capture, Mode, SiteSlot
 from .swap import Attached, state_of, swap_refusal
 
 
@@ -25,13 +29,15 @@ def framed_forward(module: nn.Module, host: type, *args: Any, **kwargs: Any) -> 
 
 
 class Installation:
-    """Everything one attach changed in the model and in module namespaces, and how to undo it."""
+    """Everything one attach changed in the model and in module namespaces, and how to undo it: attention sites
+    (through the router) and feed-forward sites alike."""
 
     def __init__(self, router: AttentionRouter, patches: list[GlobalPatch], modules: dict[str, nn.Module],
-                 hooks: bool) -> None:
+                 hooks: bool, ffn_sites: Sequence[FfnSite] = ()) -> None:
         self.router = router
         self.patches = patches
         self.hooks = hooks  # frames from hooks, then class swaps (else: from the attention interface)
+        self.ffn_sites = list(ffn_sites)  # after bind: the bound ones only
         self.refused = {path: why for path, m in modules.items() if (why := swap_refusal(m)) is not None}
         self.slots = {path: SiteSlot(router, path) for path in modules if path not in self.refused}
         self.modules = {path: modules[path] for path in self.slots}
@@ -39,8 +45,29 @@ class Installation:
         self.handles: dict[str, list[RemovableHandle]] = {}
         self.installed = False
 
+    @classmethod
+    def of(cls, adapter: Adapter, modules: dict[str, nn.Module], ffn_modules: dict[str, nn.Module],
+           capture: Capture, calibrate: Calibrate, offload: bool) -> Installation:
+        """The installation of an attach: a router standing in for the adapter's attention names, calibration
+        handing each new call to `capture` (attention) or `calibrate` (feed-forward); `offload`: bound feed-forward
+        sites move their host weights off the device."""
+        router = AttentionRouter()
+        router.capture = capture
+        patches = []
+        for t in adapter.targets(modules):
+            original = _current(t.namespace, t.name)
+            if t.kind == "parallel":
+                stand_in = router.parallel_serving(original)
+                router.serves_parallel = True
+            else:
+                stand_in = router.framing(original) if t.kind == "frame" else router.replacement(original, t.signature)
+            patches.append(GlobalPatch(t.namespace, t.name, original, stand_in))
+        ffn_sites = [FfnSite(path, module, offload, calibrate) for path, module in ffn_modules.items()]
+        return cls(router, patches, modules, adapter.hooks, ffn_sites)
+
     def install(self) -> None:
-        """Site states (or hooks), then patches; on failure nothing stays installed."""
+        """Site states (or hooks), then patches, then the feed-forward sites; on failure of the attention part
+        nothing stays installed (the feed-forward sites installed are undone by `uninstall`)."""
         try:
             for path, module in self.modules.items():
                 if self.hooks:
@@ -52,10 +79,18 @@ class Installation:
             self._remove_sites()
             raise
         self.installed = True
+        for site in self.ffn_sites:
+            site.install()
 
     def bind(self) -> None:
-        """Switch to routing: routed sites keep their state (hook adapters: through a class swap), the rest
-        lose it; calibration hooks go."""
+        """Switch to routing: feed-forward sites that no form serves go back to the host, the others route;
+        routed attention sites keep their state (hook adapters: through a class swap), the rest lose it;
+        calibration hooks go."""
+        for site in self.ffn_sites:
+            if site.replacement is None:
+                site.uninstall()
+            site.finish()
+        self.ffn_sites = [s for s in self.ffn_sites if s.replacement is not None]
         self._remove_hooks()
         for path, slot in self.slots.items():
             if not slot.bound():
@@ -67,12 +102,20 @@ class Installation:
 
     def uninstall(self) -> None:
         """Restore every patched name, hook and module; harmless when already done."""
-        if not self.installed:
-            return
-        revert_all(self.patches)  # first: it refuses, changing nothing, when plans are detached out of order
-        self._remove_sites()
-        self.router.stop()
-        self.installed = False
+        if self.installed:
+            revert_all(self.patches)  # first: it refuses, changing nothing, when plans are detached out of order
+            self._remove_sites()
+            self.router.stop()
+            self.installed = False
+        for site in reversed(self.ffn_sites):
+            site.uninstall()
+        self.ffn_sites.clear()
+
+    def counts(self, kind: str) -> dict[str, int]:
+        """Calls per site since attach: "fallbacks" (a bound site sent a call to the host) or "routed"."""
+        out = dict(getattr(self.router, kind))
+        out.update({s.path: getattr(s, kind) for s in self.ffn_sites if getattr(s, kind)})
+        return out
 
     def _attach(self, path: str, forward: Any) -> None:
         state = Attached(self.modules[path])
@@ -108,3 +151,7 @@ def _frame_hooks(router: AttentionRouter, module: nn.Module, slot: SiteSlot) -> 
             router.leave()
 
     return [module.register_forward_pre_hook(enter), module.register_forward_hook(leave, always_call=True)]
+
+
+def _current(namespace: Any, name: str) -> Any:
+    return namespace[name] if isinstance(namespace, dict) else getattr(namespace, name)

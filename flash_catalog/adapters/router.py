@@ -28,9 +28,9 @@ from typing import Any, Callable
 
 import torch
 
-from ..calls import AttentionCall, StaticKey
-from ..masks import MaskCache
-from .routes import CHECK_INSIDE, HOST, Route, capturing
+from ..capture.calls import AttentionCall, StaticKey
+from ..capture.masks import MaskCache
+from ..route.table import CHECK_INSIDE, HOST, Route, capturing
 
 log = logging.getLogger("flash_catalog")
 

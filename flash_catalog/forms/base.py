@@ -2,34 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from ..agreement import Agreement
-from ..calls import AttentionCall, Output, ShapeKey
-from ..gate import median_seconds
-from ..kernels.staging import StagingKey, StagingPool
-from ..specs import Spec
+from ..decide.agreement import Agreement
+from ..capture.calls import AttentionCall, ShapeKey
+from ..decide.gate import median_seconds
+from ..kernels.staging import StagingPool
+from ..route.runner import Runner
+from ..catalog.specs import Spec
 from .context import NO_CONTEXT, FormContext
-
-
-@dataclass(frozen=True)
-class Runner:
-    """Computes attention for a call: (B, H, Sq, Dv) in the query's dtype, caller's tensors untouched; for a call
-    with `return_lse`, (output, log-sum-exp (B, H, Sq) in float32).
-
-    `detail` says what was chosen for this shape (a backend, a block size), for the plan. `staging` lists the
-    buffers each call draws from the form's staging pool; the binder holds exactly those of bound runners.
-    """
-
-    fn: Callable[[AttentionCall], Output]
-    detail: str = ""
-    staging: tuple[StagingKey, ...] = ()
-
-    def __call__(self, call: AttentionCall) -> Output:
-        return self.fn(call)
 
 
 class AttentionForm:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..agreement import LOCAL, Agreement
+from ..decide.agreement import LOCAL, Agreement
 from ..kernels.staging import StagingPool
 
 

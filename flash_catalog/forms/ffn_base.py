@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..specs import Spec
+from ..catalog.specs import Spec
 from .context import NO_CONTEXT, FormContext
 
 

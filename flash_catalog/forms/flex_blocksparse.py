@@ -19,8 +19,8 @@ from torch.nn.attention import flex_attention as _flex_module
 from torch.nn.attention.flex_attention import flex_attention
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ..blockmasks import build_block_mask
-from ..calls import AttentionCall
+from ..capture.blockmasks import build_block_mask
+from ..capture.calls import AttentionCall
 from .base import AttentionForm, Runner
 
 BLOCK_SIZES = {"cuda": (128, 64), "cpu": (128,)}

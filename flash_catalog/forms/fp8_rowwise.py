@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..adapters.swap import host_type
-from ..calls import dtype_name
+from ..capture.calls import dtype_name
 from ..kernels.fp8_rowwise import quantize_weight_fp8
 from ..kernels.linear_ops import w8a8_linear
 from .ffn_base import FfnForm

@@ -12,8 +12,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ..calls import AttentionCall
-from ..masks import RULE_CAUSAL, RULE_COVARIATE_TARGET, RULE_NONE
+from ..capture.calls import AttentionCall
+from ..capture.masks import RULE_CAUSAL, RULE_COVARIATE_TARGET, RULE_NONE
 from .base import AttentionForm, Runner
 
 

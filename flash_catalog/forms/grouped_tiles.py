@@ -13,8 +13,8 @@ import functools
 
 import torch
 
-from ..calls import AttentionCall
-from ..gate import median_seconds
+from ..capture.calls import AttentionCall
+from ..decide.gate import median_seconds
 from ..kernels.grouped_attention import (MAX_HEAD_DIM, RULES, GroupPlan, build_plan, candidate_configs,
                                          grouped_attention, interpreter_active, tma_eligible)
 from .base import AttentionForm, Runner

@@ -30,9 +30,9 @@ from typing import Any, Callable, Sequence
 import torch
 from packaging.version import InvalidVersion, Version
 
-from ..calls import AttentionCall, dims
-from ..masks import ALL_PASS
-from ..specs import HubSource, Spec, SpecError
+from ..capture.calls import AttentionCall, dims
+from ..capture.masks import ALL_PASS
+from ..catalog.specs import HubSource, Spec, SpecError
 from .base import AttentionForm, Runner
 from .context import NO_CONTEXT, FormContext
 from .unavailable import KernelUnavailable

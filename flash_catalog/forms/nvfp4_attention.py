@@ -6,9 +6,9 @@ import functools
 
 import torch
 
-from ..calls import AttentionCall
+from ..capture.calls import AttentionCall
 from ..kernels.nvfp4_attention import native, nvfp4_attention
-from ..masks import ALL_PASS
+from ..capture.masks import ALL_PASS
 from .base import AttentionForm, Runner
 
 

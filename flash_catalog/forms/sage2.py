@@ -7,11 +7,11 @@ from typing import Callable
 
 import torch
 
-from ..calls import AttentionCall
-from ..kernels.sage2_attention import choose_kernel, staging_keys
-from ..kernels.sage2_op import sage2_attention_lse_op, sage2_attention_op
+from ..capture.calls import AttentionCall
+from ..kernels.sage2.selection import choose_kernel, staging_keys
+from ..kernels.sage2.op import sage2_attention_lse_op, sage2_attention_op
 from ..kernels.staging import StagingKey, StagingPool
-from ..masks import ALL_PASS
+from ..capture.masks import ALL_PASS
 from .base import AttentionForm, Runner
 
 

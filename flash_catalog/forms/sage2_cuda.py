@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import functools
 
-from ..calls import AttentionCall
-from ..kernels.sage2_cuda import cuda_refusal, staging_keys
-from ..kernels.sage2_op import sage2_cuda_attention_lse_op, sage2_cuda_attention_op
+from ..capture.calls import AttentionCall
+from ..kernels.sage2.cuda_kernel import cuda_refusal, staging_keys
+from ..kernels.sage2.op import sage2_cuda_attention_lse_op, sage2_cuda_attention_op
 from .base import AttentionForm, Runner
 from .sage2 import run_op, shape_rule, staged_runner
 

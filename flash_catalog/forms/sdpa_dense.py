@@ -11,8 +11,8 @@ from typing import Callable
 import torch
 from torch.nn.attention import SDPBackend
 
-from ..calls import AttentionCall
-from ..masks import ALL_PASS
+from ..capture.calls import AttentionCall
+from ..capture.masks import ALL_PASS
 from .base import AttentionForm, Runner
 
 # Math is never a candidate on CUDA: it materialises the full score matrix.

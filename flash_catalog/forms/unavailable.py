@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..specs import Spec
+from ..catalog.specs import Spec
 
 
 class KernelUnavailable(RuntimeError):

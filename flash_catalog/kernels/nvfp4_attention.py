@@ -30,7 +30,7 @@ import triton.language as tl
 from .nvfp4 import (BLOCK, E2M1_MAX, E4M3_MAX, NvFp4Tensor, block_dequantized, e2m1_values, quantize_nvfp4,
                     round_to_e2m1)
 from .interpreter import interpreted
-from .sage2_quant import refuse_grad, round_to_e4m3, validate_inputs
+from .sage2.quant import refuse_grad, round_to_e4m3, validate_inputs
 
 LOG2E = 1.0 / math.log(2.0)
 P_SCALE = E4M3_MAX * E2M1_MAX          # P in [0, 1] -> [0, 2688]: its block scales reach e4m3's 448

@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
-from .catalog import Catalog
-from .specs import Spec, SpecError
+from ..catalog.catalog import Catalog
+from ..catalog.specs import Spec, SpecError
 from .tiny_hosts import DIFFUSERS_MODELS, MODELS
 
 if TYPE_CHECKING:
@@ -205,7 +205,7 @@ def _demo_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
                      f"(pip install 'flash_catalog[diffusers]'); --model tirex needs torch only")
     try:
         catalog = Catalog.load()
-        from .profiles import load_profiles
+        from ..catalog.profiles import load_profiles
 
         profiles = load_profiles()
     except SpecError as exc:
@@ -263,7 +263,7 @@ def _run_list(args: argparse.Namespace) -> int:
 
 
 def _run_check(args: argparse.Namespace) -> int:
-    from .spec_check import check
+    from ..catalog.spec_check import check
 
     report = check(args.paths or None, extend=args.extend)
     print(json.dumps(report.to_dict(), indent=2) if args.json else "\n".join(report.lines()))
@@ -271,7 +271,7 @@ def _run_check(args: argparse.Namespace) -> int:
 
 
 def _run_usable(args: argparse.Namespace) -> int:
-    from .availability import Machine, availability
+    from ..catalog.availability import Machine, availability
 
     catalog = _load(args)
     if catalog is None:

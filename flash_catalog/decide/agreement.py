@@ -19,18 +19,15 @@ import json
 import math
 import statistics
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
-from . import receipts
+from ..plan import receipts
+from ..plan.records import ParallelRecord, SiteRecord
 from .gate import Accuracy, Timing, pseudo_median, signed_rank_interval
 
-if TYPE_CHECKING:
-    from .plan import SiteRecord
-
-COMBINE = "cosine: min over ranks; rel err: max; speed: per round the geometric mean of the ranks' ratios"
 
 
 class RanksOutOfStep(BaseException):
@@ -38,21 +35,6 @@ class RanksOutOfStep(BaseException):
     the same gathered values. It derives from BaseException so that no form's or gate's `except Exception` takes it
     for a failure of its own and carries on alone into another collective, where the other ranks would never come;
     `attach` restores the host and raises AttachError on every rank."""
-
-
-@dataclass(frozen=True)
-class ParallelRecord:
-    """What the plan records of the parallel run its decisions were agreed over."""
-
-    world_size: int
-    ring_degree: int
-    ulysses_degree: int
-    decided_by: tuple[int, ...]  # the ranks whose measurements were combined (all of the group)
-    combine: str = COMBINE
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"world_size": self.world_size, "ring_degree": self.ring_degree,
-                "ulysses_degree": self.ulysses_degree, "decided_by": list(self.decided_by), "combine": self.combine}
 
 
 @dataclass(frozen=True, eq=False)

@@ -16,20 +16,20 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from . import receipts
-from .adapters.ffn import FfnKey, FfnSite, ffn_key
-from .adapters.router import Rehearsal, SiteSlot
-from .adapters.routes import Alternative, RouteTable, unlisted_route
+from ..plan import receipts
+from ..adapters.ffn import FfnKey, FfnSite, ffn_key
+from ..adapters.router import Rehearsal, SiteSlot
+from ..route.table import Alternative, RouteTable, unlisted_route
 from .calls import AttentionCall, Output, ShapeKey, StaticKey, dims, dtype_name
-from .decide import AttachClock, Built, Contender, Decision, GateOptions, TimingCache, Trial, decide
-from .forms.base import AttentionForm, Runner
-from .forms.ffn_base import FfnForm
-from .kernels.staging import StagingKey, StagingPool
+from ..decide.decide import AttachClock, Built, Contender, Decision, GateOptions, TimingCache, Trial, decide
+from ..forms.base import AttentionForm, Runner
+from ..forms.ffn_base import FfnForm
+from ..kernels.staging import StagingKey, StagingPool
 from .mask_check import MaskCheck, MaskReuse
-from .memory import module_tensors, tensor_bytes
-from .plan import ShapeRecord
-from .qualify import envelope_rule, tensor_rule
-from .reuse import SavedDecisions
+from ..decide.memory import module_tensors, tensor_bytes
+from ..plan.records import ShapeRecord
+from ..decide.qualify import envelope_rule, tensor_rule
+from ..decide.reuse import SavedDecisions
 from .stance import CalibrationStance
 
 log = logging.getLogger("flash_catalog")

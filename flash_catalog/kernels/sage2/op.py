@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from .sage2_attention import sage2_attention
-from .staging import pool_for
+from .triton_kernel import sage2_attention
+from ..staging import pool_for
 
 
 def _fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, pv: str, is_causal: bool,
@@ -53,7 +53,7 @@ sage2_attention_lse_op.register_fake(_fake_lse)
 def sage2_cuda_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, pv: str,
                             is_causal: bool, staging: str = "") -> torch.Tensor:
     """The CUDA C++ kernel (`sage2_cuda`); opaque to the compiler, like the Triton and Gluon kernels."""
-    from .sage2_cuda import sage2_cuda_attention
+    from .cuda_kernel import sage2_cuda_attention
     return sage2_cuda_attention(q, k, v, scale=scale, pv=pv, is_causal=is_causal, staging=pool_for(staging))
 
 
@@ -64,7 +64,7 @@ sage2_cuda_attention_op.register_fake(_fake)
 def sage2_cuda_attention_lse_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, pv: str,
                                 is_causal: bool, staging: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     """The CUDA C++ kernel with each row's log-sum-exp (ring-attention steps)."""
-    from .sage2_cuda import sage2_cuda_attention
+    from .cuda_kernel import sage2_cuda_attention
     return sage2_cuda_attention(q, k, v, scale=scale, pv=pv, is_causal=is_causal, staging=pool_for(staging),
                                 return_lse=True)
 

@@ -10,8 +10,8 @@ import torch
 from packaging.requirements import Requirement
 from packaging.version import InvalidVersion, Version
 
-from .calls import AttentionCall, dtype_name
-from .specs import Envelope
+from ..capture.calls import AttentionCall, dtype_name
+from ..catalog.specs import Envelope
 
 
 def tensor_rule(env: Envelope, x: torch.Tensor, emulate: bool = False) -> str | None:

@@ -19,10 +19,10 @@ from typing import Callable
 
 import torch
 
-from .cuda_build import CudaBuild, arch_refusal, load_library
-from .sage2_quant import (Sage2Staged, add_key_mean, empty_result, quantize_qkv, refuse_grad, staging_keys_of,
-                          validate_inputs)
-from .staging import StagingKey, StagingPool
+from ..cuda_build import CudaBuild, arch_refusal, load_library
+from .quant import (Sage2Staged, add_key_mean, empty_result, quantize_qkv, refuse_grad, staging_keys_of,
+                    validate_inputs)
+from ..staging import StagingKey, StagingPool
 
 SOURCE = Path(__file__).with_name("cuda") / "sage2_sm90.cu"
 STAGING_TILES = (64, 128)  # (block_m, block_n): Q scales per consumer warpgroup's 64 rows, K scales per 128 keys

@@ -56,10 +56,10 @@ def import_implementation(spec: Spec) -> Implementation:
 def family_base(family: str) -> type:
     """The base class every form of `family` derives from."""
     if family == "attention_core":
-        from .forms.base import AttentionForm
+        from ..forms.base import AttentionForm
 
         return AttentionForm
-    from .forms.ffn_base import FfnForm
+    from ..forms.ffn_base import FfnForm
 
     return FfnForm
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from .implementations import Implementation, ImportStatus, import_implementation
-from .qualify import unmet_requirements
+from ..decide.qualify import unmet_requirements
 from .specs import Spec
 
 HUB_REQUIREMENT = "kernels>=0.17"  # resolves [hub] specs (pip install 'flash_catalog[hub]')

@@ -83,7 +83,7 @@ def time_side_by_side(host: Callable[[], Any], attached: Callable[[], Any], runs
 
 def run_demo(options: DemoOptions) -> int:
     """Print the host, the plan, the attached output's difference, the timing and the detach check; 0 if exact."""
-    from . import attach, detach
+    from .. import attach, detach
     from .tiny_hosts import build
 
     host = build(options.model, device=options.device, dtype=options.dtype)

@@ -4,8 +4,8 @@ Each names the form, what was measured or which rule broke, and the shape, so a 
 
 from __future__ import annotations
 
-from .gate import Accuracy, Timing
-from .specs import AccuracyFloor
+from ..decide.gate import Accuracy, Timing
+from ..catalog.specs import AccuracyFloor
 
 
 def figures(timing: Timing, timed_at: str) -> str:

@@ -2,29 +2,19 @@
 
 from __future__ import annotations
 
-import functools
 import json
 from dataclasses import asdict, dataclass, field
-from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
+from ..kernels.staging import StagingPool
+from ..utf8 import NotUtf8, utf8_text
 from . import json_fields
-from .agreement import ParallelRecord
-from .gate import Timing
-from .kernels.staging import StagingPool
-from .utf8 import NotUtf8, utf8_text
+from .records import MEMORY_FIELDS, OUTCOMES, AttachTimings, ParallelRecord, ReceiptUse, SiteRecord
 
 if TYPE_CHECKING:
-    from .adapters.routes import RouteTable
-
-OUTCOMES = ("bound", "declined", "refused", "host")
-"""bound: a form serves the shape. declined: a form qualified and was accurate but not fast enough.
-refused: no form qualified (envelope or accuracy floor). host: no form was tried (none selected, the
-site was not called, or the host passes arguments only it understands)."""
-
-MEMORY_FIELDS = ("form_bytes", "host_bytes", "delta_bytes")
-"""A bound feed-forward site's device bytes: what its form holds, what the host held, and the difference."""
+    from ..route.table import RouteTable
+    from .attachment import Attachment
 
 SCHEMA = 1
 """The receipt format `Plan.to_dict` writes and `Plan.load` reads; other versions are refused."""
@@ -34,141 +24,25 @@ class ReceiptError(ValueError):
     """A receipt that cannot be read as a plan: the message names the file and what is wrong with it."""
 
 
-class Basis(Enum):
-    """Where a shape's decision came from: this attach's measurement, or a receipt given to it (`attach(plan=)`)."""
-
-    DECIDED = "decided"  # decided by this attach: no receipt was given, or no form was tried at this shape
-    REUSED = "reused"  # the receipt's timings decided it, nothing was timed here; accuracy was checked here
-    REDECIDED = "re-decided"  # a receipt was given but could not serve it (basis_reason says why): decided here
-
-
-@dataclass
-class ShapeRecord:
-    shape: str
-    calls: int
-    outcome: str
-    form: str | None = None
-    speedup: float | None = None
-    cosine: float | None = None
-    max_rel_err: float | None = None
-    reason: str = ""
-    trail: list[str] = field(default_factory=list)
-    host_ms: float | None = None  # the speed measurement behind `speedup` (gate.Timing), as fields
-    form_ms: float | None = None
-    spread: tuple[float, float] | None = None  # the speedup's confidence interval
-    rounds: int | None = None
-    key: dict[str, Any] | None = None  # what the decision depends on (shapes, dtypes, mask, ...): a receipt's
-    # decision serves a later attach only at the same site and key
-    timings: dict[str, Timing] = field(default_factory=dict)  # per form: the timing its verdict came from
-    basis: Basis = Basis.DECIDED
-    basis_reason: str = ""  # a receipt was given: what was reused from it, or why it did not serve
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "basis": self.basis.value}
-
-    @classmethod
-    def from_dict(cls, data: Any, where: str = "shape") -> ShapeRecord:
-        """The record `to_dict` wrote; a value of the wrong type raises `json_fields.FieldError` naming its field."""
-        record = cls(**json_fields.fields(cls, data, where))
-        if record.outcome not in OUTCOMES:
-            raise json_fields.FieldError(f"{where}.outcome", f"is {record.outcome!r}; expected one of "
-                                                              f"{', '.join(OUTCOMES)}")
-        return record
-
-
-@dataclass
-class SiteRecord:
-    name: str
-    shapes: list[ShapeRecord]
-    kind: str = "attention"  # attention | ffn
-    memory: dict[str, int] | None = None  # bound ffn sites: form_bytes, host_bytes, delta_bytes (device)
-
-    @property
-    def outcome(self) -> str:
-        outcomes = {s.outcome for s in self.shapes}
-        return next((o for o in OUTCOMES if o in outcomes), "host")
-
-    @property
-    def form(self) -> str | None:
-        return next((s.form for s in self.shapes if s.outcome == self.outcome), None)
-
-    @property
-    def speedup(self) -> float | None:
-        return next((s.speedup for s in self.shapes if s.outcome == self.outcome), None)
-
-    @property
-    def accuracy(self) -> tuple[float, float] | None:
-        for s in self.shapes:
-            if s.outcome == self.outcome and s.cosine is not None:
-                return (s.cosine, s.max_rel_err or 0.0)
-        return None
-
-    @property
-    def reason(self) -> str:
-        return "; ".join(s.reason for s in self.shapes if s.reason)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "kind": self.kind, "outcome": self.outcome, "form": self.form,
-                "memory": self.memory, "shapes": [s.to_dict() for s in self.shapes]}
-
-    @classmethod
-    def from_dict(cls, data: Any, where: str = "site") -> SiteRecord:
-        """The record `to_dict` wrote (its `outcome` and `form` are derived, not read back)."""
-        record = cls(**json_fields.fields(cls, data, where, derived=("outcome", "form")))
-        for key in record.memory or {}:
-            if key not in MEMORY_FIELDS:
-                raise json_fields.FieldError(f"{where}.memory.{key}", f"is unknown; expected only "
-                                                                       f"{', '.join(MEMORY_FIELDS)}")
-        return record
-
-
-@dataclass(frozen=True)
-class AttachTimings:
-    """Where an attach's wall-clock seconds went."""
-
-    total_s: float
-    calibration_s: float  # the example call itself, without the deciding and offloading done inside it
-    gating_s: float  # deciding shapes: host runs, forms' first runs and accuracy, paired timing
-    offload_s: float  # moving bound feed-forward sites' host weights to (pinned) CPU memory
-    binding_s: float  # switching to routes and letting go of what was not bound
-    first_use_s: dict[str, float] = field(default_factory=dict)  # per form: its first build and run (kernel
-    # compilation, autotuning and backend probing happen there), part of gating_s
-
-    def describe(self) -> str:
-        first = ", ".join(f"{name} {s:.1f}" for name, s in sorted(self.first_use_s.items(), key=lambda i: -i[1]))
-        return (f"attach took {self.total_s:.1f} s: calibration call {self.calibration_s:.1f} s, deciding "
-                f"{self.gating_s:.1f} s (first use: {first or 'none'}), offloading {self.offload_s:.1f} s, "
-                f"binding {self.binding_s:.1f} s")
-
-
-@dataclass(frozen=True)
-class ReceiptUse:
-    """The receipt an attach was given (`attach(plan=...)`): where it came from, and whether it could serve. When its
-    environment differs from this one (`reason` says how), every shape was re-decided."""
-
-    source: str  # the receipt's file, or "the given plan"
-    matched: bool
-    reason: str = ""
-
-
 @dataclass
 class Plan:
+    """What an attach decided (the records, environment and options: data, as a receipt saves them) and, for the
+    plan `attach` returned, the `Attachment` it holds: the live side that `detach` releases."""
+
     sites: list[SiteRecord]
     environment: dict[str, Any]
     options: dict[str, Any]
-    _fallbacks: Callable[[], dict[str, int]] = field(repr=False, default=dict)
-    _routed: Callable[[], dict[str, int]] = field(repr=False, default=dict)
-    _revert: Callable[[], None] | None = field(repr=False, default=None)
     detached: bool = False
-    staging: StagingPool | None = field(repr=False, default=None)
-    """The attach's staging pool: scratch shared by every bound site (not per site), released by detach."""
-    routes: RouteTable | None = field(repr=False, default=None)
-    """The attach's routes: what bound calls run, with the mask patterns they check (released by detach)."""
     timings: AttachTimings | None = None
     receipt: ReceiptUse | None = None  # the receipt this attach reused decisions from, if any
     source: str | None = None  # the file a loaded plan (`Plan.load`) was read from
     parallel: ParallelRecord | None = None
     """Under context parallelism: the world size, the degrees and the ranks whose figures every decision combined."""
+    attachment: Attachment | None = field(repr=False, compare=False, default=None)
+    """The attach's live side (None in a loaded plan or a copy)."""
+    recorded_fallbacks: dict[str, int] = field(repr=False, default_factory=dict)
+    recorded_routed: dict[str, int] = field(repr=False, default_factory=dict)
+    """The counters as a receipt or a copy recorded them (a plan with an attachment reads them live)."""
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
@@ -197,29 +71,36 @@ class Plan:
             sites = [SiteRecord.from_dict(s, f"sites[{i}]") for i, s in enumerate(read["sites"])]
         except json_fields.FieldError as exc:
             raise ReceiptError(f"{source}: malformed plan receipt: {exc}") from exc
-        fallbacks, routed = read["fallbacks"], read["routed"]
-        return cls(sites=sites, environment=read["environment"], options=read["options"],
-                   _fallbacks=lambda: fallbacks, _routed=lambda: routed, detached=True, timings=read["timings"],
-                   receipt=read["receipt"], source=source, parallel=read["parallel"])
+        return cls(sites=sites, environment=read["environment"], options=read["options"], detached=True,
+                   timings=read["timings"], receipt=read["receipt"], source=source, parallel=read["parallel"],
+                   recorded_fallbacks=read["fallbacks"], recorded_routed=read["routed"])
 
     def __getstate__(self) -> dict[str, Any]:
         """What pickling (and `copy`) keeps: the plan's data (records, environment, options, timings, the counters as
-        they are now). The live parts (the revert actions, the counters' sources, staging, routes) belong to the
-        attach that made them: a copy holds none and is detached, so only the original plan can detach the model."""
-        fallbacks, routed = self.fallbacks, self.routed
-        return {**self.__dict__, "_fallbacks": functools.partial(dict, fallbacks),
-                "_routed": functools.partial(dict, routed), "_revert": None, "detached": True, "staging": None,
-                "routes": None}
+        they are now). The attachment belongs to the attach that made it: a copy holds none and is detached, so only
+        the original plan can detach the model."""
+        return {**self.__dict__, "attachment": None, "detached": True, "recorded_fallbacks": self.fallbacks,
+                "recorded_routed": self.routed}
 
     @property
     def fallbacks(self) -> dict[str, int]:
         """Calls at bound sites that the guard sent to the host (a shape, dtype or mask not qualified)."""
-        return dict(self._fallbacks())
+        return self.attachment.fallbacks() if self.attachment is not None else dict(self.recorded_fallbacks)
 
     @property
     def routed(self) -> dict[str, int]:
         """Calls that bound forms served, per site, since attach."""
-        return dict(self._routed())
+        return self.attachment.routed() if self.attachment is not None else dict(self.recorded_routed)
+
+    @property
+    def staging(self) -> StagingPool | None:
+        """The attach's staging pool: scratch shared by every bound site (not per site), released by detach."""
+        return self.attachment.staging if self.attachment is not None else None
+
+    @property
+    def routes(self) -> RouteTable | None:
+        """The attach's routes: what bound calls run, with the mask patterns they check (released by detach)."""
+        return self.attachment.routes if self.attachment is not None else None
 
     def site(self, name: str) -> SiteRecord:
         for s in self.sites:

@@ -10,12 +10,12 @@ from .implementations import ImportStatus, family_problem, import_implementation
 from .specs import Spec, SpecError, SpecProblem, load_spec
 
 if TYPE_CHECKING:
-    from .forms.context import FormContext
+    from ..forms.context import FormContext
 
 
 def specs_dir() -> Path:
     """Shipped specs: inside the installed package, or the repository's top-level `specs/`."""
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parent.parent  # flash_catalog/
     for candidate in (here / "specs", here.parent / "specs"):
         if candidate.is_dir():
             return candidate
@@ -120,8 +120,8 @@ def build_form(spec: Spec, *, context: FormContext | None = None,
     opt-in to code from the Hugging Face Hub: True, or a list of repo ids) is passed to the form of a `[hub]` spec
     only.
     """
-    from .forms.context import NO_CONTEXT
-    from .forms.unavailable import KernelUnavailable, Unavailable
+    from ..forms.context import NO_CONTEXT
+    from ..forms.unavailable import KernelUnavailable, Unavailable
 
     context = context if context is not None else NO_CONTEXT
 

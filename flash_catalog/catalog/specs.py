@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 from packaging.requirements import InvalidRequirement, Requirement
 
-from .utf8 import NotUtf8, utf8_text
+from ..utf8 import NotUtf8, utf8_text
 
 FAMILIES = ("attention_core", "vision_ffn")
 PRECISIONS = ("native", "int8", "fp8", "fp4")  # precision-first order: earlier is closer to the host

@@ -11,7 +11,7 @@ from typing import Any, Iterable
 
 import torch
 
-from .specs import Spec
+from ..catalog.specs import Spec
 
 TIMING_FIELDS = ("device_type", "device_name", "capability", "threads", "torch", "triton", "flash_catalog")
 """What a timing depends on besides the shape and the form's spec: a receipt's timings serve another attach only

@@ -16,13 +16,11 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                               warpgroup_mma_wait)
+                                                              warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .magic import MAGIC_FLOAT, MAGIC_INT
-# The Triton kernel's constant (the same constexpr type): P scaled by 448 in exp2.
-from .sage2_attention import LOG2_P_SCALE
-from .sage2_quant import Sage2Staged
+from ..magic import MAGIC_FLOAT, MAGIC_INT
+from .quant import LOG2_P_SCALE, Sage2Staged  # LOG2_P_SCALE: the Triton kernel's constexpr, P scaled by 448
 
 
 @gluon.jit

@@ -62,7 +62,7 @@ class MaskCheck:
         """0-d bool tensor on the mask's device: the mask has this structure. Tensor ops only, no sync; one
         Triton pass on CUDA (`kernels.mask_match`)."""
         if mask.is_cuda and mask.dim() <= 4:
-            from .kernels.mask_match import mask_matches
+            from ..kernels.mask_match import mask_matches
 
             return mask_matches(mask, self.expected, blocked_at(mask.dtype) if mask.dtype != torch.bool else 0.0)
         allowed = allowed_pattern(mask)

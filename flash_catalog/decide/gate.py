@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from .specs import AccuracyFloor
+from ..catalog.specs import AccuracyFloor
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ def measure_accuracy(out: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
 def _fused_sums(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """The sums from one Triton pass, or None where it does not run (no triton, CPU without the interpreter)."""
     try:
-        from .kernels.accuracy import accuracy_sums, kernel_serves
+        from ..kernels.accuracy import accuracy_sums, kernel_serves
     except ImportError:  # pragma: no cover - triton ships with CUDA builds of torch
         return None
     return accuracy_sums(a, b) if a.numel() and kernel_serves(a, b) else None

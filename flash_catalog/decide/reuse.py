@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .decide import Contender, TimingCache
-from .environment import environment_difference
+from ..plan.environment import environment_difference
 from .gate import Timing
-from .plan import Basis, Plan, ReceiptUse, ShapeRecord
+from ..plan.plan import Plan
+from ..plan.records import Basis, ReceiptUse, ShapeRecord
 
 log = logging.getLogger("flash_catalog")
 

@@ -9,12 +9,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import receipts
+from ..plan import receipts
 from .agreement import LOCAL, Agreement
 from .gate import Accuracy, SpeedVerdict, Timing, measure_accuracy, median_seconds, paired_speedup
-from .layout import stride_order
-from .plan import ShapeRecord
-from .specs import AccuracyFloor, Spec
+from ..capture.layout import stride_order
+from ..plan.records import ShapeRecord
+from ..catalog.specs import AccuracyFloor, Spec
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .interpreter import interpreted
-from .magic import MAGIC_FLOAT
-from .staging import StagingKey, StagingPool
+from ..interpreter import interpreted
+from ..magic import MAGIC_FLOAT
+from ..staging import StagingKey, StagingPool
 
 LOG2E = 1.0 / math.log(2.0)
 # In the kernels: INT8 range 127, FP8 e4m3 range 448, and 1e-30 as the floor of a block's or channel's max|x|
@@ -22,6 +22,10 @@ HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
 STATS_SUB = 64  # tokens per inner step of the K-mean / V-amax pass
 STATS_PROGRAMS = 512  # fewer programs than this at 1024 tokens each leave SMs idle: chunks shrink to 256 tokens
+
+# P is produced already scaled by 448 (e4m3's largest finite value): exp2(s - m + log2(448)). The factor cancels in
+# acc / l, so neither P nor the output needs a separate multiply.
+LOG2_P_SCALE = tl.constexpr(math.log2(448.0))
 
 
 def stats_chunk(seq_kv: int, heads: int) -> int:

@@ -8,87 +8,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .activation import round_to_bf16
-from .magic import MAGIC_FLOAT, MAGIC_INT  # integer -> float without I2F (which issues at exp2's 16/clk/SM)
-from .sage2_quant import (Sage2Staged, add_key_mean, empty_result, interpreter_active, quantize_qkv, refuse_grad,
-                          round_to_e4m3, staging_keys_of, validate_inputs)
-from .staging import StagingKey, StagingPool
+from ..activation import round_to_bf16
+from ..magic import MAGIC_FLOAT, MAGIC_INT  # integer -> float without I2F (which issues at exp2's 16/clk/SM)
+from .quant import (LOG2_P_SCALE, Sage2Staged, add_key_mean, empty_result, interpreter_active, quantize_qkv,
+                    refuse_grad, round_to_e4m3, validate_inputs)
+from .selection import choose_kernel, default_config, staging_tiles_for, v_fp16
+from ..staging import StagingPool
 
-__all__ = ["sage2_attention", "sage2_attention_staged", "default_config", "quantize_qkv", "Sage2Staged",
-           "staging_keys", "choose_kernel", "gluon_refusal", "KERNELS"]
-
-
-def default_config(head_dim: int, pv: str = "fp8") -> dict[str, int]:
-    """Autotune-free tiles for Hopper (H100/H200); the bench sweeps alternatives via keyword arguments."""
-    del pv  # both P.V modes share the tiles for now
-    if head_dim == 128:  # H200 sweep (BENCHMARKS.md): 128x128 tiles, 3 stages beat 128x64 by 19% at S=24576
-        return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3}
-    return {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 4}
-
-
-KERNELS = ("auto", "triton", "gluon")
-
-
-def gluon_refusal(q: torch.Tensor, pv: str, is_causal: bool) -> str | None:
-    """Why the Hopper Gluon kernel cannot serve this call (None: it can)."""
-    if pv not in ("fp8", "fp16"):
-        return f"pv={pv!r} (it serves 'fp8' and 'fp16')"
-    if is_causal:
-        return "is_causal (it serves non-causal attention)"
-    if q.shape[-1] != 128:
-        return f"head_dim {q.shape[-1]} (it serves 128)"
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
-        return f"device {q.device} (it needs sm_90)"
-    try:
-        from . import sage2_gluon  # noqa: F401  (triton with Gluon's Hopper dialect)
-    except ImportError as exc:
-        return f"Gluon unavailable ({exc})"
-    return None
-
-
-def choose_kernel(q: torch.Tensor, pv: str, is_causal: bool, kernel: str = "auto") -> str:
-    """"triton" or "gluon". "auto": the Gluon kernel where `gluon_refusal` finds nothing against it (on the H200
-    at S=24576 it measured 1.11x the host for pv="fp16", where the Triton fp16 kernel measured 0.78x, and 1.13x for
-    pv="fp8", 5% faster than the Triton fp8 kernel; BENCHMARKS.md), the Triton kernel otherwise. "gluon" by name raises
-    where it cannot serve."""
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel is {kernel!r}; allowed: {', '.join(KERNELS)}")
-    if kernel == "triton":
-        return "triton"
-    why = gluon_refusal(q, pv, is_causal)
-    if kernel == "auto":
-        return "gluon" if why is None else "triton"
-    if why is not None:
-        raise ValueError(f"kernel='gluon' cannot serve this call: {why}; use kernel='triton' or 'auto'")
-    return "gluon"
-
-
-def _v_fp16(pv: str, kernel: str) -> bool:
-    """The Gluon kernel's fp16 P.V reads V as a padded fp16 staging buffer (TMA)."""
-    return pv == "fp16" and kernel == "gluon"
-
-
-def staging_tiles_for(q: torch.Tensor, pv: str, kernel: str) -> tuple[int, int]:
-    """(block_m, block_n) of the staging for the chosen kernel ("gluon" or "triton")."""
-    if kernel == "gluon":
-        from .sage2_gluon import staging_tiles
-        return staging_tiles()
-    cfg = default_config(q.shape[-1], pv)
-    return cfg["block_m"], cfg["block_n"]
-
-
-def staging_keys(q: torch.Tensor, k: torch.Tensor, pv: str = "fp8", is_causal: bool = False,
-                 kernel: str = "auto") -> tuple[StagingKey, ...]:
-    """The pool keys a `sage2_attention(q, k, v, pv=pv, is_causal=is_causal, staging=pool, kernel=kernel)`
-    call draws."""
-    chosen = choose_kernel(q, pv, is_causal, kernel)
-    bm, bn = staging_tiles_for(q, pv, chosen)
-    return staging_keys_of(q, k, pv=pv, block_m=bm, block_n=bn, v_fp16=_v_fp16(pv, chosen))
-
-
-# P is produced already scaled by 448 (e4m3's largest finite value): exp2(s - m + log2(448)). The factor cancels in
-# acc / l, so neither P nor the output needs a separate multiply.
-LOG2_P_SCALE = tl.constexpr(math.log2(448.0))
+__all__ = ["sage2_attention", "sage2_attention_staged", "quantize_qkv", "Sage2Staged"]
 
 
 @triton.jit
@@ -267,7 +194,7 @@ def sage2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     pv="fp8": P and V in FP8 e4m3 (V per-channel scaled); pv="fp16": P and V in fp16. Q/K are INT8 per tile
     after K smoothing either way. is_causal is top-left aligned, like torch SDPA. Forward only (no autograd).
     The caller's tensors are never modified; the output is a new contiguous tensor in q's dtype. With `staging`,
-    the quantised operands live in the pool's buffers (see `staging_keys`) instead of fresh memory; the output
+    the quantised operands live in the pool's buffers (see `selection.staging_keys`) instead of fresh memory; the output
     never does, and nothing of the pool is returned or kept. `kernel`: "gluon" runs the Hopper Gluon warp-specialised
     kernel (non-causal, D128, sm_90), "triton" the Triton kernel (whose tiles are block_m, block_n, num_warps and
     num_stages), "auto" the choice of `choose_kernel` (Gluon where it serves). `return_lse`: also the natural
@@ -289,9 +216,9 @@ def sage2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     if q.shape[:-1].numel() == 0:
         return empty_result(q, return_lse)
     staged = quantize_qkv(q, k, v, sm_scale=sm_scale, pv=pv, block_m=bm, block_n=bn, validate=False,
-                          staging=staging, v_fp16=_v_fp16(pv, chosen))
+                          staging=staging, v_fp16=v_fp16(pv, chosen))
     if chosen == "gluon":
-        from .sage2_gluon import sage2_gluon_staged
+        from .gluon_kernel import sage2_gluon_staged
         return sage2_gluon_staged(staged, out_dtype=q.dtype)
     if not return_lse:
         return sage2_attention_staged(staged, out_dtype=q.dtype, is_causal=is_causal, num_warps=num_warps,

@@ -24,11 +24,11 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ..calls import AttentionCall, Output, StaticKey, alignment
-from ..forms.base import Runner
-from ..layout import dense_strides
-from ..mask_check import MaskCheck
-from ..masks import MaskInfo
+from ..capture.calls import AttentionCall, Output, StaticKey, alignment
+from ..capture.layout import dense_strides
+from ..capture.mask_check import MaskCheck
+from ..capture.masks import MaskInfo
+from .runner import Runner
 
 CHECK_INSIDE = -2  # the op's `choice` when the mask check happens inside it
 HOST = -1  # the op's `choice` for the host's own function

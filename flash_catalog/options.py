@@ -1,0 +1,125 @@
+"""`attach`'s options: one typed record, checked and resolved against its profile when it is made."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+from .catalog.profiles import get_profile
+
+if TYPE_CHECKING:
+    from .catalog.catalog import Catalog
+    from .plan.plan import Plan
+
+
+@dataclass(frozen=True)
+class AttachOptions:
+    """What `attach(model, example, **options)` takes.
+
+    `attention_forms=None` tries the catalog's default order; `[]` keeps the host everywhere. Feed-forward forms
+    quantize weights, so they run only when named (`ffn_forms=`) or by a `profile`; explicit form lists outrank
+    the profile. `projections` (globs) adds matching `nn.Linear` modules, such as attention projections, as sites
+    for the feed-forward forms. `sites` keeps only sites matching a glob. `min_speedup`, `min_cosine`,
+    `max_rel_err` and `timing_rounds` override the specs' gate. `allow_emulation` lets forms with an emulated path
+    run it where their native path cannot (nvfp4_w4a4, nvfp4_attention below Blackwell): for accuracy studies, as
+    the emulations are slower than the host. `keep_host_on_device` keeps a bound feed-forward site's host weights
+    on the device. `catalog` replaces the shipped catalog. `trust_remote_code` opts in to running code from the
+    Hugging Face Hub for `[hub]` specs: True (any repo) or a list of repo ids; without it a hub spec is refused
+    (local builds need no opt-in). `plan` (a saved receipt's path, or a `Plan`) reuses its decisions where its
+    environment (device, torch, triton, flash_catalog), the form's spec and the site's shape match: those shapes
+    are decided from its timings with no timing run (a form it timed not faster is not run; one that passed is run
+    once, for its accuracy floor). The options are this call's, not the receipt's; each shape record says what was
+    reused and what was re-decided.
+
+    Made, the record holds the profile's selection where no explicit list was given (`ffn_forms` and `projections`
+    are then lists, `[]` by default), and `trust_remote_code` as True, False or a tuple of repo ids.
+    """
+
+    attention_forms: Sequence[str] | None = None
+    ffn_forms: Sequence[str] | None = None
+    profile: str | None = None
+    projections: Sequence[str] | None = None
+    min_speedup: float | None = None
+    min_cosine: float | None = None
+    max_rel_err: float | None = None
+    sites: Sequence[str] | None = None
+    timing_rounds: int | None = None
+    allow_emulation: bool = False
+    keep_host_on_device: bool = False
+    catalog: Catalog | None = None
+    trust_remote_code: bool | Sequence[str] = False
+    plan: str | Path | Plan | None = None
+
+    def __post_init__(self) -> None:
+        attention, ffn, projections = _resolve_profile(self.profile, self.attention_forms, self.ffn_forms,
+                                                       self.projections)
+        object.__setattr__(self, "attention_forms", attention)
+        object.__setattr__(self, "ffn_forms", ffn)
+        object.__setattr__(self, "projections", projections)
+        _check_ranges(self)
+        object.__setattr__(self, "trust_remote_code", _check_trust(self.trust_remote_code))
+        if isinstance(self.sites, str):
+            raise TypeError(f"sites must be a list of glob patterns, not the string {self.sites!r}")
+
+    @classmethod
+    def of(cls, options: AttachOptions | None, overrides: dict[str, Any]) -> AttachOptions:
+        """`attach`'s options: an `AttachOptions`, or keyword arguments (not both)."""
+        if options is None:
+            return cls(**overrides)
+        if not isinstance(options, AttachOptions):
+            raise TypeError(f"attach takes its options as keyword arguments or one AttachOptions, not "
+                            f"{type(options).__name__}")
+        if overrides:
+            raise TypeError(f"attach got an AttachOptions and keyword options ({', '.join(overrides)}); pass one")
+        return options
+
+    def record(self, attention_forms: list[str], ffn_forms: list[str], adapter: str) -> dict[str, Any]:
+        """The options as the plan records them: the forms tried (by name, in order) and the adapter used."""
+        trust = self.trust_remote_code
+        return {"attention_forms": attention_forms, "ffn_forms": ffn_forms, "profile": self.profile,
+                "projections": list(self.projections), "adapter": adapter, "min_speedup": self.min_speedup,
+                "timing_rounds": self.timing_rounds, "min_cosine": self.min_cosine, "max_rel_err": self.max_rel_err,
+                "sites": list(self.sites) if self.sites is not None else None,
+                "keep_host_on_device": self.keep_host_on_device, "allow_emulation": self.allow_emulation,
+                "trust_remote_code": trust if isinstance(trust, bool) else list(trust)}
+
+
+def _resolve_profile(profile: str | None, attention_forms: Sequence[str] | None,
+                     ffn_forms: Sequence[str] | None, projections: Sequence[str] | None
+                     ) -> tuple[Sequence[str] | None, Sequence[str], Sequence[str]]:
+    """Explicit arguments first, then the profile's selection, then the defaults."""
+    chosen = get_profile(profile) if profile is not None else None
+    if attention_forms is None and chosen is not None and chosen.attention_forms is not None:
+        attention_forms = list(chosen.attention_forms)
+    if ffn_forms is None:
+        ffn_forms = list(chosen.ffn_forms) if chosen is not None and chosen.ffn_forms is not None else []
+    if projections is None:
+        projections = list(chosen.projections) if chosen is not None else []
+    if isinstance(projections, str):
+        raise TypeError(f"projections must be a list of glob patterns, not the string {projections!r}")
+    return attention_forms, ffn_forms, projections
+
+
+def _check_ranges(options: AttachOptions) -> None:
+    for name, value, lo, hi in (("min_speedup", options.min_speedup, 0.0, None),
+                                ("min_cosine", options.min_cosine, -1.0, 1.0),
+                                ("max_rel_err", options.max_rel_err, 0.0, None)):
+        if value is not None and (not isinstance(value, (int, float)) or value < lo
+                                  or (hi is not None and value > hi)):
+            span = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+            raise ValueError(f"{name}={value!r} is out of range; expected a number {span}")
+    rounds = options.timing_rounds
+    if rounds is not None and (not isinstance(rounds, int) or rounds < 1):
+        raise ValueError(f"timing_rounds={rounds!r}; expected a positive integer")
+
+
+def _check_trust(value: Any) -> bool | tuple[str, ...]:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        raise TypeError(f"trust_remote_code must be True, False or a list of hub repository ids, not the string "
+                        f"{value!r}; write [{value!r}]")
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise TypeError(f"trust_remote_code={value!r}; expected True, False or a list of hub repository ids")
