@@ -105,13 +105,27 @@ def _check_ranges(options: AttachOptions) -> None:
     for name, value, lo, hi in (("min_speedup", options.min_speedup, 0.0, None),
                                 ("min_cosine", options.min_cosine, -1.0, 1.0),
                                 ("max_rel_err", options.max_rel_err, 0.0, None)):
-        if value is not None and (not isinstance(value, (int, float)) or value < lo
-                                  or (hi is not None and value > hi)):
-            span = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+        if value is None:
+            continue
+        span = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name}={value!r} is a {type(value).__name__}; expected a number {span}"
+                            + (f" (write {name}={float(value)})" if _numeric_text(value) else ""))
+        if not (value >= lo and (hi is None or value <= hi)):  # NaN fails both
             raise ValueError(f"{name}={value!r} is out of range; expected a number {span}")
     rounds = options.timing_rounds
-    if rounds is not None and (not isinstance(rounds, int) or rounds < 1):
+    if rounds is not None and (isinstance(rounds, bool) or not isinstance(rounds, int)):
+        raise TypeError(f"timing_rounds={rounds!r} is a {type(rounds).__name__}; expected a positive integer")
+    if rounds is not None and rounds < 1:
         raise ValueError(f"timing_rounds={rounds!r}; expected a positive integer")
+
+
+def _numeric_text(value: Any) -> bool:
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return isinstance(value, str)
 
 
 def _check_trust(value: Any) -> bool | tuple[str, ...]:

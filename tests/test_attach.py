@@ -239,6 +239,10 @@ def test_attach_is_transactional_on_a_failing_example():
     ({"min_speedup": -1}, r"min_speedup=-1 is out of range"),
     ({"min_cosine": 2}, r"min_cosine=2 is out of range"),
     ({"timing_rounds": 0}, r"timing_rounds=0"),
+    ({"min_speedup": "1.1"}, r"min_speedup='1.1' is a str; expected a number >= 0.0 \(write min_speedup=1.1\)"),
+    ({"min_speedup": float("nan")}, r"min_speedup=nan is out of range"),
+    ({"min_cosine": True}, r"min_cosine=True is a bool; expected a number \[-1.0, 1.0\]"),
+    ({"timing_rounds": 2.5}, r"timing_rounds=2.5 is a float; expected a positive integer"),
     ({"sites": ["nothing.*"]}, r"matches no site; attention sites are: transformer_blocks.0.attn1"),
 ])
 def test_bad_options_are_named(bad, match):

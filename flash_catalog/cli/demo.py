@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from .plan import Plan
+    from ..plan.plan import Plan
 
 
 @dataclass(frozen=True)

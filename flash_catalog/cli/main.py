@@ -124,7 +124,7 @@ def _version() -> str:
 
 def _profile_names() -> str:
     """The shipped profiles' names, for --profile's help; the reason where they do not load."""
-    from .profiles import load_profiles
+    from ..catalog.profiles import load_profiles
 
     try:
         return ", ".join(sorted(load_profiles()))
