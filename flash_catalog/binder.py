@@ -27,6 +27,7 @@ from .catalog.specs import Spec
 from .decide.agreement import Agreement, RanksOutOfStep
 from .decide.decide import AttachClock, GateOptions
 from .decide.reuse import SavedDecisions, load_receipt
+from .decide.step import Binding, StepCheck, StepRecord
 from .forms.base import AttentionForm
 from .forms.context import FormContext
 from .forms.ffn_base import FfnForm
@@ -42,6 +43,10 @@ from .route.table import RouteTable
 log = logging.getLogger("flash_catalog")
 
 Example = dict[str, Any] | tuple[Any, ...] | list[Any] | Callable[[], Any]
+
+HOST_STEP = "timing the host's example call (the step check)"
+BINDING = "binding the plan"
+STEP = "checking the step (the attached example call against the host's)"
 
 
 class AttachError(RuntimeError):
@@ -79,18 +84,23 @@ def attach(model: nn.Module | Any, example: Example, options: AttachOptions | No
     installation = Installation.of(job.adapter, job.modules, job.ffn_modules, calibration.meet_attention,
                                    calibration.meet_ffn, offload=not options.keep_host_on_device)
     attachment = Attachment(installation, job.forms, job.staging, calibration.routes)
+    check, unchecked = job.step_check()
     with _Transaction(attachment, calibration) as step:
+        step(HOST_STEP, check.time_host if check else None)
         step("installing the router", installation.install)
         step("running the example (calibration call)", job.calibrate, calibration.stance)
-        step("binding the plan")
+        step(BINDING)
         records = _attention_records(job, installation, calibration) + _ffn_records(installation, calibration)
         job.agreement.check(records)
         attachment.bind(calibration.bound_keys, calibration.staging_keys())
+        step(STEP)
+        checked = _check_step(check, unchecked, attachment, records)
     _log_outcome(model, records)
     return Plan(sites=records, environment=job.environment,
                 options=options.record([s.name for s in job.specs], [s.name for s in job.ffn_specs], job.adapter.name),
-                attachment=attachment, timings=job.timings(calibration.clock, step.binding_s),
-                receipt=job.saved.use if job.saved is not None else None, parallel=job.agreement.record)
+                attachment=attachment, timings=job.timings(calibration.clock, step.seconds),
+                receipt=job.saved.use if job.saved is not None else None, parallel=job.agreement.record,
+                step=checked)
 
 
 @contextlib.contextmanager
@@ -141,6 +151,7 @@ class Job:
     adapter: Adapter
     modules: dict[str, nn.Module]
     ffn_modules: dict[str, nn.Module]
+    options: AttachOptions
     started: float = field(default_factory=time.perf_counter)
     calibration_s: float = 0.0
 
@@ -172,7 +183,7 @@ class Job:
         _refuse_attached(host)
         return cls(host, example, run_example, specs, ffn_specs, forms, ffn_forms, gate, agreement, here,
                    SavedDecisions.of(saved_plan, here) if saved_plan is not None else None, staging, adapter,
-                   modules, ffn_modules)
+                   modules, ffn_modules, options)
 
     def calibration(self) -> Calibration:
         """The decisions of this attach, taken as the calibration call meets each (site, shape)."""
@@ -181,6 +192,14 @@ class Job:
                            CalibrationStance.now(),  # the host runs eager during calibration, the forms in this
                            MaskReuse.of(self.example), self.saved)  # stance
 
+    def step_check(self) -> tuple[StepCheck | None, str]:
+        """The step check of this attach, or None and why not."""
+        if not self.options.step_check:
+            return None, "step_check=False"
+        if self.options.min_speedup == 0:
+            return None, "min_speedup=0 binds every form that qualifies"
+        return StepCheck(self.run_example, _model_device(self.host) or torch.device("cpu"), self.agreement), ""
+
     def calibrate(self, stance: CalibrationStance) -> None:
         """The example call, eager and without autograd; each (site, shape) it meets is decided then."""
         started = time.perf_counter()
@@ -188,36 +207,43 @@ class Job:
             self.run_example()
         self.calibration_s = time.perf_counter() - started
 
-    def timings(self, clock: AttachClock, binding_s: float) -> AttachTimings:
+    def timings(self, clock: AttachClock, stages: dict[str, float]) -> AttachTimings:
+        """Where the attach's time went; `stages`: seconds per stage of the transaction."""
         timings = AttachTimings(time.perf_counter() - self.started,
                                 self.calibration_s - clock.gating_s - clock.offload_s, clock.gating_s,
-                                clock.offload_s, binding_s, dict(clock.first_use_s))
+                                clock.offload_s, stages.get(BINDING, 0.0), dict(clock.first_use_s),
+                                stages.get(HOST_STEP, 0.0) + stages.get(STEP, 0.0))
         log.info("%s", timings.describe())
         return timings
 
 
 class _Transaction:
     """The stages of an attach, each named for its error: a failure in any releases the attachment (the host is
-    restored) and raises AttachError naming the stage; `binding_s` is the last stage's duration."""
+    restored) and raises AttachError naming the stage; `seconds` holds each stage's duration once it ended."""
 
     def __init__(self, attachment: Attachment, calibration: Calibration) -> None:
         self.attachment = attachment
         self.calibration = calibration
         self.stage = ""
         self.started = time.perf_counter()
-        self.binding_s = 0.0
+        self.seconds: dict[str, float] = {}  # per stage, once it ended
 
     def __call__(self, stage: str, action: Callable[..., Any] | None = None, *args: Any) -> None:
+        self._close()
         self.stage, self.started = stage, time.perf_counter()
         if action is not None:
             action(*args)
+
+    def _close(self) -> None:
+        if self.stage:
+            self.seconds[self.stage] = time.perf_counter() - self.started
 
     def __enter__(self) -> _Transaction:
         return self
 
     def __exit__(self, kind: type | None, exc: BaseException | None, traceback: Any) -> bool:
         if exc is None:
-            self.binding_s = time.perf_counter() - self.started
+            self._close()
             return False
         stage = self.stage
         if self.calibration.current is not None:
@@ -230,6 +256,21 @@ class _Transaction:
             return False
         raise AttachError(f"attach failed while {stage}: {type(exc).__name__}: {exc}. "
                           f"The model was restored to the host.") from exc
+
+
+def _check_step(check: StepCheck | None, unchecked: str, attachment: Attachment,
+                records: list[SiteRecord]) -> StepRecord:
+    """The step check's verdict; the sites it drops are sent back to the host and their records say so."""
+    bound = [Binding(r.name, r.gain_ms) for r in records if r.outcome == "bound"]
+    if check is None or not bound:
+        return StepRecord.not_checked(unchecked or "nothing was bound")
+    checked = check.settle(bound, attachment.drop)
+    for record in records:
+        if record.name in checked.dropped:
+            record.dropped_at_step(checked.describe())
+    attachment.installation.reset_counts()
+    log.info("%s", checked.describe())
+    return checked
 
 
 def _log_outcome(model: Any, records: list[SiteRecord]) -> None:

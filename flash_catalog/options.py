@@ -18,19 +18,21 @@ class AttachOptions:
     """What `attach(model, example, **options)` takes.
 
     `attention_forms=None` tries the catalog's default order; `[]` keeps the host everywhere. Feed-forward forms
-    quantize weights, so they run only when named (`ffn_forms=`) or by a `profile`; explicit form lists outrank
-    the profile. `projections` (globs) adds matching `nn.Linear` modules, such as attention projections, as sites
-    for the feed-forward forms. `sites` keeps only sites matching a glob. `min_speedup`, `min_cosine`,
-    `max_rel_err` and `timing_rounds` override the specs' gate. `allow_emulation` lets forms with an emulated path
-    run it where their native path cannot (nvfp4_w4a4, nvfp4_attention below Blackwell): for accuracy studies, as
-    the emulations are slower than the host. `keep_host_on_device` keeps a bound feed-forward site's host weights
-    on the device. `catalog` replaces the shipped catalog. `trust_remote_code` opts in to running code from the
-    Hugging Face Hub for `[hub]` specs: True (any repo) or a list of repo ids; without it a hub spec is refused
-    (local builds need no opt-in). `plan` (a saved receipt's path, or a `Plan`) reuses its decisions where its
-    environment (device, torch, triton, flash_catalog), the form's spec and the site's shape match: those shapes
-    are decided from its timings with no timing run (a form it timed not faster is not run; one that passed is run
-    once, for its accuracy floor). The options are this call's, not the receipt's; each shape record says what was
-    reused and what was re-decided.
+    quantize weights, so they run only when named (`ffn_forms=`) or by a `profile`; explicit form lists outrank the
+    profile. `projections` (globs) adds matching `nn.Linear` modules, such as attention projections, as sites for
+    the feed-forward forms. `sites` keeps only sites matching a glob. `min_speedup`, `min_cosine`, `max_rel_err` and
+    `timing_rounds` override the specs' gate. `allow_emulation` lets forms with an emulated path run it where their
+    native path cannot (nvfp4_w4a4, nvfp4_attention below Blackwell): for accuracy studies, as the emulations are
+    slower than the host. `keep_host_on_device` keeps a bound feed-forward site's host weights on the device.
+    `step_check` (on unless `min_speedup=0`) times the whole example call, host before attaching and attached after,
+    and drops bindings, smallest gain first, until the attached call is surely faster (`plan.step`); it costs five
+    example calls on each side, and more for each drop. `catalog` replaces the shipped catalog. `trust_remote_code`
+    opts in to running code from the Hugging Face Hub for `[hub]` specs: True (any repo) or a list of repo ids;
+    without it a hub spec is refused (local builds need no opt-in). `plan` (a saved receipt's path, or a `Plan`)
+    reuses its decisions where its environment (device, torch, triton, flash_catalog), the form's spec and the
+    site's shape match: those shapes are decided from its timings with no timing run (a form it timed not faster is
+    not run; one that passed is run once, for its accuracy floor). The options are this call's, not the receipt's;
+    each shape record says what was reused and what was re-decided.
 
     Made, the record holds the profile's selection where no explicit list was given (`ffn_forms` and `projections`
     are then lists, `[]` by default), and `trust_remote_code` as True, False or a tuple of repo ids.
@@ -47,6 +49,7 @@ class AttachOptions:
     timing_rounds: int | None = None
     allow_emulation: bool = False
     keep_host_on_device: bool = False
+    step_check: bool = True
     catalog: Catalog | None = None
     trust_remote_code: bool | Sequence[str] = False
     plan: str | Path | Plan | None = None
@@ -82,6 +85,7 @@ class AttachOptions:
                 "timing_rounds": self.timing_rounds, "min_cosine": self.min_cosine, "max_rel_err": self.max_rel_err,
                 "sites": list(self.sites) if self.sites is not None else None,
                 "keep_host_on_device": self.keep_host_on_device, "allow_emulation": self.allow_emulation,
+                "step_check": self.step_check,
                 "trust_remote_code": trust if isinstance(trust, bool) else list(trust)}
 
 

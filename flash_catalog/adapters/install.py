@@ -111,6 +111,28 @@ class Installation:
             site.uninstall()
         self.ffn_sites.clear()
 
+    def drop(self, sites: Sequence[str]) -> None:
+        """Give these bound sites back to the host (attention `path#ordinal`, feed-forward `path`): their routes go,
+        a site module left with none loses its state; a feed-forward site is uninstalled, its weights brought back."""
+        for name in sites:
+            path, _, ordinal = name.rpartition("#")
+            slot = self.slots.get(path)
+            if slot is not None and ordinal.isdigit() and int(ordinal) < len(slot.routes):
+                slot.routes[int(ordinal)].clear()
+                if not slot.bound():
+                    self._detach(path)
+                continue
+            for site in [s for s in self.ffn_sites if s.path == name]:
+                site.uninstall()
+                self.ffn_sites.remove(site)
+
+    def reset_counts(self) -> None:
+        """Zero the call counters (after the step check, whose calls are not the user's)."""
+        self.router.routed.clear()
+        self.router.fallbacks.clear()
+        for site in self.ffn_sites:
+            site.routed = site.fallbacks = 0
+
     def counts(self, kind: str) -> dict[str, int]:
         """Calls per site since attach: "fallbacks" (a bound site sent a call to the host) or "routed"."""
         out = dict(getattr(self.router, kind))

@@ -32,6 +32,10 @@ class Attachment:
             form.retain(bound_keys)
         self.staging.keep_only(staging_keys)
 
+    def drop(self, sites: Sequence[str]) -> None:
+        """Send these bound sites back to the host (the step check found the model faster without them)."""
+        self.installation.drop(sites)
+
     def release(self) -> None:
         """Uninstall everything and free what the forms built; harmless once done. The installation goes first: it
         refuses, changing nothing, when plans are detached out of order."""

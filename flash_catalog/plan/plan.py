@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..decide.step import StepRecord
 from ..kernels.staging import StagingPool
 from ..utf8 import NotUtf8, utf8_text
 from . import json_fields
@@ -38,6 +39,9 @@ class Plan:
     source: str | None = None  # the file a loaded plan (`Plan.load`) was read from
     parallel: ParallelRecord | None = None
     """Under context parallelism: the world size, the degrees and the ranks whose figures every decision combined."""
+    step: StepRecord | None = None
+    """The step check: the whole example call, host vs attached, and the bindings it dropped (None: a receipt written
+    before it existed)."""
     attachment: Attachment | None = field(repr=False, compare=False, default=None)
     """The attach's live side (None in a loaded plan or a copy)."""
     recorded_fallbacks: dict[str, int] = field(repr=False, default_factory=dict)
@@ -73,7 +77,7 @@ class Plan:
             raise ReceiptError(f"{source}: malformed plan receipt: {exc}") from exc
         return cls(sites=sites, environment=read["environment"], options=read["options"], detached=True,
                    timings=read["timings"], receipt=read["receipt"], source=source, parallel=read["parallel"],
-                   recorded_fallbacks=read["fallbacks"], recorded_routed=read["routed"])
+                   recorded_fallbacks=read["fallbacks"], recorded_routed=read["routed"], step=read["step"])
 
     def __getstate__(self) -> dict[str, Any]:
         """What pickling (and `copy`) keeps: the plan's data (records, environment, options, timings, the counters as
@@ -132,6 +136,7 @@ class Plan:
                 "receipt": asdict(self.receipt) if self.receipt is not None else None,
                 "fallbacks": self.fallbacks, "routed": self.routed, "detached": self.detached,
                 "parallel": self.parallel.to_dict() if self.parallel is not None else None,
+                "step": self.step.to_dict() if self.step is not None else None,
                 "sites": [s.to_dict() for s in self.sites]}
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -161,6 +166,8 @@ class Plan:
         counts = ", ".join(f"{n} {o}" for o, n in self.counts().items() if n)
         state = "detached" if self.detached else "attached"
         footer = [f"{len(self.sites)} sites: {counts or 'none'} ({state})"]
+        if self.step is not None:
+            footer.append(self.step.describe())
         if cells != rows:
             footer.append("(cells ending in ... are cut: plan.site(name) and plan.to_dict() hold the full text)")
         mem = self.memory()
@@ -185,10 +192,11 @@ _COLUMN_WIDTHS = (40, 72, 8, 20, 8, 8, 64)  # site, shape, outcome, form, speedu
 _RECEIPT_FIELDS: dict[str, Any] = {
     "environment": dict[str, Any], "options": dict[str, Any], "timings": AttachTimings | None,
     "receipt": ReceiptUse | None, "fallbacks": dict[str, int], "routed": dict[str, int],
-    "parallel": ParallelRecord | None, "sites": list[Any]}
-"""What `Plan.from_dict` reads back, by type (`parallel` may be absent); the sites are read by `SiteRecord`."""
+    "parallel": ParallelRecord | None, "step": StepRecord | None, "sites": list[Any]}
+"""What `Plan.from_dict` reads back, by type (`parallel` and `step` may be absent); the sites are read by
+`SiteRecord`."""
 _DERIVED_FIELDS = ("schema", "counts", "memory", "detached")  # written for readers, not read back
-_OPTIONAL_FIELDS = ("parallel",)
+_OPTIONAL_FIELDS = ("parallel", "step")
 
 
 def _missing(name: str) -> Any:

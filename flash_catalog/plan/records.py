@@ -94,6 +94,22 @@ class SiteRecord:
     def reason(self) -> str:
         return "; ".join(s.reason for s in self.shapes if s.reason)
 
+    @property
+    def gain_ms(self) -> float:
+        """What the bound shapes saved over the calibration, as the gate measured them: sum of (host - form) ms x
+        calls (0 where a shape was not timed here)."""
+        return sum((s.host_ms - s.form_ms) * s.calls for s in self.shapes
+                   if s.outcome == "bound" and s.host_ms is not None and s.form_ms is not None)
+
+    def dropped_at_step(self, step: str) -> None:
+        """The site's bound shapes go back to the host: the step check (`step`, its figures) found the attached model
+        not surely faster with them; each keeps its own figures, and its gate's reason in the trail."""
+        for s in self.shapes:
+            if s.outcome == "bound":
+                s.trail.append(s.reason)
+                s.outcome = "declined"
+                s.reason = f"{s.form}: dropped by the step check ({step}); alone it measured {s.reason}"
+
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "kind": self.kind, "outcome": self.outcome, "form": self.form,
                 "memory": self.memory, "shapes": [s.to_dict() for s in self.shapes]}
@@ -120,12 +136,13 @@ class AttachTimings:
     binding_s: float  # switching to routes and letting go of what was not bound
     first_use_s: dict[str, float] = field(default_factory=dict)  # per form: its first build and run (kernel
     # compilation, autotuning and backend probing happen there), part of gating_s
+    step_s: float = 0.0  # the step check: the host's example calls before, the attached ones after binding
 
     def describe(self) -> str:
         first = ", ".join(f"{name} {s:.1f}" for name, s in sorted(self.first_use_s.items(), key=lambda i: -i[1]))
         return (f"attach took {self.total_s:.1f} s: calibration call {self.calibration_s:.1f} s, deciding "
                 f"{self.gating_s:.1f} s (first use: {first or 'none'}), offloading {self.offload_s:.1f} s, "
-                f"binding {self.binding_s:.1f} s")
+                f"binding {self.binding_s:.1f} s, step check {self.step_s:.1f} s")
 
 
 @dataclass(frozen=True)

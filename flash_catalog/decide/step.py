@@ -1,0 +1,135 @@
+"""The step check: the whole model on the calibration example, host vs attached, once the sites are decided.
+
+A site that wins alone can still slow the model: its routed call's share of the host's Python, the layout its output
+hands the next op, the clock its kernel leaves the GPU at. So after binding, the attached example call is timed
+against the host's, and bindings are dropped, smallest measured gain first, until the attached call is surely faster,
+or none is left ("no net win at the step").
+
+The host is timed before anything is installed: once a feed-forward form binds, the host's weights of that site
+leave the device, so the host cannot run again beside the attached model. Both sides take the same fixed number of
+calls (every rank of a context-parallel run calls the model in step), after untimed ones, and the rounds pair in
+order. Both run eager: a step timed compiled is not built yet.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .agreement import Agreement
+from .gate import SpeedVerdict, Timing, summarize
+
+STEP_ROUNDS = 3
+"""Timed example calls per side (after one untimed call each). Below 6 rounds the interval is the ratios' range, so
+the attached call is "surely faster" when every round says so."""
+
+
+WARMUP = 2
+"""Untimed example calls before each side's timed ones. The host is timed first of anything in the attach: one call
+left it slower than the same host timed after calibration (allocator and caches still warming)."""
+
+
+class StepOutcome(Enum):
+    FASTER = "faster"  # surely faster as decided: every binding kept
+    TRIMMED = "faster after dropping"  # surely faster once the bindings in `dropped` went back to the host
+    NO_NET_WIN = "no net win at the step"  # never surely faster: every binding dropped
+    NOT_CHECKED = "not checked"  # `reason` says why
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What the step check measured and did: the host's and the attached example call (ms, medians), their paired
+    speedup and interval, the bindings it dropped (site names, in the order dropped) and why it did not run."""
+
+    outcome: StepOutcome
+    host_ms: float | None = None
+    attached_ms: float | None = None
+    speedup: float | None = None
+    spread: tuple[float, float] | None = None
+    rounds: int | None = None
+    dropped: list[str] = field(default_factory=list)
+    reason: str = ""
+
+    @classmethod
+    def not_checked(cls, reason: str) -> StepRecord:
+        return cls(StepOutcome.NOT_CHECKED, reason=reason)
+
+    @classmethod
+    def of(cls, outcome: StepOutcome, timing: Timing, dropped: Sequence[str]) -> StepRecord:
+        return cls(outcome, timing.host_ms, timing.form_ms, timing.speedup, (timing.low, timing.high),
+                   timing.rounds, list(dropped))
+
+    def describe(self) -> str:
+        """`step: 1.240x (10.2 -> 8.2 ms, spread 1.18-1.31x, 3 rounds): faster` (or why it was not checked)."""
+        if self.outcome is StepOutcome.NOT_CHECKED:
+            return f"step: not checked ({self.reason})"
+        low, high = self.spread or (float("nan"), float("nan"))
+        dropped = f"; {len(self.dropped)} binding(s) dropped, smallest gain first" if self.dropped else ""
+        return (f"step: {self.speedup:.3f}x ({self.host_ms:.3f} -> {self.attached_ms:.3f} ms, spread {low:.3f}-"
+                f"{high:.3f}x, {self.rounds} rounds): {self.outcome.value}{dropped}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "outcome": self.outcome.value}
+
+
+@dataclass(frozen=True)
+class Binding:
+    """A bound site and its measured gain over the calibration (ms the host would have spent beyond the form's)."""
+
+    site: str
+    gain_ms: float
+
+
+@dataclass
+class StepCheck:
+    """Times the example call (`run`) on `device`; `host_s` holds the host's seconds per round once timed."""
+
+    run: Callable[[], Any]
+    device: torch.device
+    agreement: Agreement
+    rounds: int = STEP_ROUNDS
+    host_s: list[float] = field(default_factory=list)
+
+    def time_host(self) -> None:
+        self.host_s = self._time()
+
+    def settle(self, bindings: Sequence[Binding], drop: Callable[[Sequence[str]], None]) -> StepRecord:
+        """Time the attached call; while it is not surely faster, `drop` the next bindings (1, 2, 4, ... of them,
+        smallest gain first) and time again. Returns the last timing with a binding left, and every site dropped
+        (all of them: no net win, untimed once nothing is left)."""
+        order = [b.site for b in sorted(bindings, key=lambda b: b.gain_ms)]
+        dropped: list[str] = []
+        batch = 1
+        while True:
+            timing = self.agreement.timing(summarize(self.host_s, self._time(), self.device))
+            if timing.verdict(1.0) is SpeedVerdict.FASTER:
+                return StepRecord.of(StepOutcome.TRIMMED if dropped else StepOutcome.FASTER, timing, dropped)
+            now = order[len(dropped):len(dropped) + batch]
+            drop(now)
+            dropped += now
+            if len(dropped) == len(order):
+                return StepRecord.of(StepOutcome.NO_NET_WIN, timing, dropped)
+            batch *= 2
+
+    def _time(self) -> list[float]:
+        """Seconds of one example call per round, after `WARMUP` untimed calls (wall clock: the host's Python
+        counts)."""
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+            for _ in range(WARMUP):
+                self.run()
+            out = []
+            for _ in range(self.rounds):
+                self._sync()
+                started = time.perf_counter()
+                self.run()
+                self._sync()
+                out.append(time.perf_counter() - started)
+        return out
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

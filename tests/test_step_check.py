@@ -1,0 +1,117 @@
+"""The step check: after the sites are decided, the whole example call, host vs attached; bindings that win alone
+but leave the step slower are dropped, smallest gain first, and the plan says so."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from flash_catalog import Plan, attach, detach
+from flash_catalog.adapters.router import AttentionRouter
+from flash_catalog.cli.tiny_hosts import build
+from flash_catalog.decide.step import StepOutcome
+from flash_catalog.plan.records import SiteRecord
+
+
+def run(model, inputs):
+    with torch.no_grad():
+        return model(**inputs)
+
+
+def slow_bound_calls(monkeypatch, sites: tuple[str, ...] = ("attns.",)) -> None:
+    """Every bound call at the given sites pays 30 ms more than the gate saw: `_route` serves bound calls only;
+    the gate's rehearsal of a routed call does not pass through it."""
+    route = AttentionRouter._route
+
+    def slow(self, slot, ordinal, *args, **kwargs):
+        if slot.path.startswith(sites):
+            time.sleep(0.03)
+        return route(self, slot, ordinal, *args, **kwargs)
+
+    monkeypatch.setattr(AttentionRouter, "_route", slow)
+
+
+def state(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_sites_that_win_alone_but_slow_the_step_are_dropped_and_the_plan_says_so(monkeypatch):
+    host = build("tirex")  # grouped_batch wins at both sites alone, by several times
+    inputs = host.inputs()
+    reference, before = run(host.model, inputs), state(host.model)
+    slow_bound_calls(monkeypatch)
+    plan = attach(host.model, inputs)
+    step = plan.step
+    assert step.outcome is StepOutcome.NO_NET_WIN, str(plan)
+    assert step.dropped == ["attns.0#0", "attns.1#0"]  # 1, then the next 2 (one left): none left, no net win
+    assert {s.outcome for s in plan.sites} == {"declined"}
+    for site in plan.sites:
+        shape = site.shapes[0]
+        assert shape.reason.startswith("grouped_batch: dropped by the step check (step: ")
+        assert "no net win at the step" in shape.reason and "alone it measured grouped_batch: " in shape.reason
+        assert shape.speedup > 1 and shape.trail[-1].startswith("grouped_batch: ")  # its own figures kept
+    assert "step: " in str(plan) and "no net win at the step" in str(plan)
+    assert torch.equal(run(host.model, inputs), reference)  # the host's own path, everywhere
+    assert sum(plan.routed.values()) == 0 and sum(plan.fallbacks.values()) == 0
+    detach(plan)
+    after = state(host.model)
+    assert torch.equal(run(host.model, inputs), reference)
+    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_the_smallest_gain_goes_first_and_the_rest_stays_bound(monkeypatch):
+    host = build("tirex")
+    inputs = host.inputs()
+    slow_bound_calls(monkeypatch, sites=("attns.1",))
+    gains = {"attns.0#0": 100.0, "attns.1#0": 1.0}
+    monkeypatch.setattr(SiteRecord, "gain_ms", property(lambda self: gains[self.name]))
+    plan = attach(host.model, inputs)
+    assert plan.step.outcome is StepOutcome.TRIMMED, str(plan)
+    assert plan.step.dropped == ["attns.1#0"] and plan.step.speedup > 1
+    assert plan.site("attns.0#0").outcome == "bound" and plan.site("attns.1#0").outcome == "declined"
+    run(host.model, inputs)
+    assert plan.routed == {"attns.0#0": 1}  # the step check's own calls are not counted
+    detach(plan)
+
+
+def test_a_step_that_wins_keeps_every_binding_and_is_recorded_in_the_receipt(tmp_path):
+    host = build("tirex")
+    inputs = host.inputs()
+    plan = attach(host.model, inputs)
+    step = plan.step
+    assert step.outcome is StepOutcome.FASTER and not step.dropped, str(plan)
+    assert step.speedup > 1 and step.spread[0] > 1 and step.rounds == 3 and step.host_ms > step.attached_ms
+    assert {s.outcome for s in plan.sites} == {"bound"} and sum(plan.routed.values()) == 0
+    assert plan.timings.step_s > 0 and "step check" in plan.timings.describe()
+    detach(plan)
+    saved = Plan.load(plan.save(tmp_path / "receipt.json"))
+    assert saved.step == step
+    data = json.loads((tmp_path / "receipt.json").read_text())
+    assert data["step"]["outcome"] == "faster"
+    del data["step"]  # a receipt written before the step check loads, with no step
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    assert Plan.load(tmp_path / "old.json").step is None
+
+
+@pytest.mark.parametrize("options,reason", [
+    ({"min_speedup": 0}, "min_speedup=0 binds every form that qualifies"),
+    ({"step_check": False}, "step_check=False"),
+])
+def test_the_step_is_not_checked_where_the_user_said_so(monkeypatch, options, reason):
+    host = build("tirex")
+    slow_bound_calls(monkeypatch)  # would drop both, if checked
+    plan = attach(host.model, host.inputs(), **options)
+    assert plan.step.outcome is StepOutcome.NOT_CHECKED and plan.step.reason == reason
+    assert f"step: not checked ({reason})" in str(plan)
+    assert {s.outcome for s in plan.sites} == {"bound"}
+    detach(plan)
+
+
+def test_nothing_bound_means_nothing_to_check():
+    host = build("tirex")
+    plan = attach(host.model, host.inputs(), attention_forms=[])
+    assert plan.step.outcome is StepOutcome.NOT_CHECKED and plan.step.reason == "nothing was bound"
+    detach(plan)
