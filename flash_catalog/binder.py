@@ -44,7 +44,7 @@ log = logging.getLogger("flash_catalog")
 
 Example = dict[str, Any] | tuple[Any, ...] | list[Any] | Callable[[], Any]
 
-HOST_STEP = "timing the host's example call (the step check)"
+HOST_STEP = "running the example (the host's, timed for the step check)"
 BINDING = "binding the plan"
 STEP = "checking the step (the attached example call against the host's)"
 

@@ -218,9 +218,14 @@ def test_attach_is_transactional_on_a_failing_example():
         host.model(**inputs)
         raise RuntimeError("out of memory in step 2")
 
-    with pytest.raises(AttachError, match=r"while running the example \(calibration call\): "
+    # the step check runs the example first (the host, timed); without it the calibration call is the first
+    with pytest.raises(AttachError, match=r"while running the example \(the host's, timed for the step check\): "
                                           r"RuntimeError: out of memory in step 2\. The model was restored"):
         attach(host.model, failing)
+    assert_restored(host.model, before)
+    with pytest.raises(AttachError, match=r"while running the example \(calibration call\): "
+                                          r"RuntimeError: out of memory in step 2\. The model was restored"):
+        attach(host.model, failing, step_check=False)
     assert_restored(host.model, before)
 
     bad_kwargs = dict(inputs, not_an_argument=1)

@@ -131,5 +131,7 @@ class StepCheck:
         return out
 
     def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        """Wait for every CUDA device in use: a model without parameters still runs its calls on the GPU."""
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            for index in range(torch.cuda.device_count()):
+                torch.cuda.synchronize(index)
