@@ -190,11 +190,13 @@ def _unmet(key: StaticKey | None, known: set[StaticKey]) -> str:
 def find_route(table: dict[StaticKey, Route], key: StaticKey) -> Route | None:
     """The route bound at `key`. Traced, by comparing with each bound key rather than hashing: a hash reads every
     size, so dynamo would specialise each new resolution's graph (and hit its recompile limit), where comparisons
-    guard only on the sizes being, or not being, the bound ones: one graph serves every resolution not bound."""
+    guard only on the sizes being, or not being, the bound ones: one graph serves every resolution not bound.
+    Compared as plain tuples: torch 2.11's dynamo evaluates a NamedTuple's == item by item as constants, which
+    specialises each size (a guard that it equals this call's)."""
     if not torch.compiler.is_compiling():
         return table.get(key)
     for bound, route in table.items():
-        if bound._replace(aligned=None) == key:  # alignment is not traced: the op's body checks it
+        if tuple(bound._replace(aligned=None)) == tuple(key):  # alignment is not traced: the op's body checks it
             return route
     return None
 
