@@ -8,7 +8,8 @@ or none is left ("no net win at the step").
 The host is timed before anything is installed: once a feed-forward form binds, the host's weights of that site
 leave the device, so the host cannot run again beside the attached model. Both sides take the same fixed number of
 calls (every rank of a context-parallel run calls the model in step), after untimed ones, and the rounds pair in
-order. Both run eager: a step timed compiled is not built yet.
+order. Both run in the stance the user is in when attach begins (a compiled form compiled); under
+`torch.compile` the step itself is still timed as the user's stance runs it, not as one compiled region.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .agreement import Agreement
-from .gate import SpeedVerdict, Timing, summarize
+from .gate import SETTLE_S, SpeedVerdict, Timing, repeats, settle_calls, summarize
 
 STEP_ROUNDS = 3
 """Timed example calls per side (after one untimed call each). Below 6 rounds the interval is the ratios' range, so
@@ -29,8 +30,11 @@ the attached call is "surely faster" when every round says so."""
 
 
 WARMUP = 2
-"""Untimed example calls before each side's timed ones. The host is timed first of anything in the attach: one call
-left it slower than the same host timed after calibration (allocator and caches still warming)."""
+"""Untimed example calls before each side's timed ones (the second is timed once, to size the settle and the rounds).
+The host is timed first of anything in the attach: one call left it slower than the same host timed after
+calibration (allocator and caches still warming)."""
+MIN_ROUND_S = 2e-3
+"""A round repeats a short example call for about this long, so it is not measured as launch noise."""
 
 
 class StepOutcome(Enum):
@@ -116,19 +120,30 @@ class StepCheck:
             batch *= 2
 
     def _time(self) -> list[float]:
-        """Seconds of one example call per round, after `WARMUP` untimed calls (wall clock: the host's Python
-        counts)."""
-        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
-            for _ in range(WARMUP):
+        """Seconds per example call, one figure per round, in the stance the user runs in (a compiled form
+        compiled). After `WARMUP` untimed calls, an untimed run of about `SETTLE_S` settles the GPU's clock at this
+        side's load, and each round repeats the call for about `MIN_ROUND_S`; the counts follow the slowest rank's
+        call, so every rank calls the model as often (wall clock: the host's Python counts)."""
+        with torch.no_grad():
+            for _ in range(WARMUP - 1):
                 self.run()
-            out = []
-            for _ in range(self.rounds):
-                self._sync()
-                started = time.perf_counter()
+            once = self.agreement.slowest(self._seconds(1))
+            for _ in range(settle_calls(SETTLE_S.get(self.device_type(), 0.0), once)):
                 self.run()
-                self._sync()
-                out.append(time.perf_counter() - started)
-        return out
+            reps = repeats(MIN_ROUND_S, once)
+            return [self._seconds(reps) for _ in range(self.rounds)]
+
+    def _seconds(self, reps: int) -> float:
+        self._sync()
+        started = time.perf_counter()
+        for _ in range(reps):
+            self.run()
+        self._sync()
+        return (time.perf_counter() - started) / reps
+
+    def device_type(self) -> str:
+        """"cuda" where CUDA runs the calls (a model without parameters may still run on the GPU), else the model's."""
+        return "cuda" if torch.cuda.is_available() and torch.cuda.is_initialized() else self.device.type
 
     def _sync(self) -> None:
         """Wait for every CUDA device in use: a model without parameters still runs its calls on the GPU."""
