@@ -95,7 +95,7 @@ def attach(model: nn.Module | Any, example: Example, options: AttachOptions | No
         attachment.bind(calibration.bound_keys, calibration.staging_keys())
         step(STEP)
         checked = _check_step(check, unchecked, attachment, records)
-    _log_outcome(model, records)
+    _log_outcome(model, records, job.host_calls)
     return Plan(sites=records, environment=job.environment,
                 options=options.record([s.name for s in job.specs], [s.name for s in job.ffn_specs], job.adapter.name),
                 attachment=attachment, timings=job.timings(calibration.clock, step.seconds),
@@ -154,6 +154,7 @@ class Job:
     options: AttachOptions
     started: float = field(default_factory=time.perf_counter)
     calibration_s: float = 0.0
+    host_calls: int = 0
 
     @classmethod
     def of(cls, model: nn.Module | Any, example: Example, options: AttachOptions) -> Job:
@@ -182,7 +183,8 @@ class Job:
                              f"{_some(adapter.find_sites(host))}; feed-forward sites: {_some(find_ffn_sites(host))}")
         _refuse_attached(host)
         return cls(host, example, run_example, specs, ffn_specs, forms, ffn_forms, gate, agreement, here,
-                   SavedDecisions.of(saved_plan, here) if saved_plan is not None else None, staging, adapter,
+                   SavedDecisions.of(saved_plan, here, None if adapter.discovered else {*modules, *ffn_modules})
+                   if saved_plan is not None else None, staging, adapter,
                    modules, ffn_modules, options)
 
     def calibration(self) -> Calibration:
@@ -201,11 +203,21 @@ class Job:
         return StepCheck(self.run_example, _model_device(self.host) or torch.device("cpu"), self.agreement), ""
 
     def calibrate(self, stance: CalibrationStance) -> None:
-        """The example call, eager and without autograd; each (site, shape) it meets is decided then."""
+        """The example call, eager and without autograd; each (site, shape) it meets is decided then. Counts the
+        calls it makes of the host's modules (`host_calls`: the model, or a pipeline's denoisers)."""
         started = time.perf_counter()
-        with torch.no_grad(), stance.host():
-            self.run_example()
+        tops = list(self.host.values()) if isinstance(self.host, nn.ModuleDict) else [self.host]
+        hooks = [m.register_forward_pre_hook(self._count_call) for m in tops]
+        try:
+            with torch.no_grad(), stance.host():
+                self.run_example()
+        finally:
+            for hook in hooks:
+                hook.remove()
         self.calibration_s = time.perf_counter() - started
+
+    def _count_call(self, module: nn.Module, args: tuple) -> None:
+        self.host_calls += 1
 
     def timings(self, clock: AttachClock, stages: dict[str, float]) -> AttachTimings:
         """Where the attach's time went; `stages`: seconds per stage of the transaction."""
@@ -273,10 +285,21 @@ def _check_step(check: StepCheck | None, unchecked: str, attachment: Attachment,
     return checked
 
 
-def _log_outcome(model: Any, records: list[SiteRecord]) -> None:
-    if not records:
-        log.warning("%s has no attention or feed-forward site: the plan changes nothing",
-                    type(model).__name__)
+def _log_outcome(model: Any, records: list[SiteRecord], host_calls: int) -> None:
+    """A WARNING where the example cannot have done what the user meant: it never called the model, or called it
+    without reaching any site; INFO where it did and nothing bound."""
+    name = type(model).__name__
+    if not host_calls:
+        log.warning("the example never called %s (its calibration call ran, but not this model), so nothing was "
+                    "decided and the plan changes nothing; pass an example that runs it: its forward inputs, or a "
+                    "callable that calls it (for a pipeline's component, attach the pipeline, or call the component "
+                    "in the callable)", name)
+    elif not records:
+        log.warning("%s has no attention or feed-forward site: the plan changes nothing", name)
+    elif not any(s.calls for r in records for s in r.shapes):
+        log.warning("the example called %s but reached none of its %d sites, so every site stays on the host; pass "
+                    "an example that runs the attention and feed-forward layers (inputs of the sizes you will run)",
+                    name, len(records))
     elif not any(r.outcome == "bound" for r in records):
         log.info("no site bound (%d sites); the receipts say why", len(records))
 

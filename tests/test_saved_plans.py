@@ -415,3 +415,24 @@ def test_a_receipt_reason_is_never_empty(tmp_path):
     reason = again.site("blocks.1.attn1#0").shapes[0].basis_reason
     assert reason == ("timed by this attach: sdpa_dense (timed at blocks.0.attn1#0, before the receipt's timing was "
                       "offered)")
+
+
+def test_a_receipt_of_a_pipeline_used_on_its_transformer_says_it_does_not_apply(tmp_path):
+    from flash_catalog.cli.tiny_hosts import wan_pipeline
+
+    pipe = wan_pipeline()
+
+    def call():
+        return pipe("a cat on the moon", num_inference_steps=2, height=32, width=32, num_frames=5,
+                    output_type="latent")
+
+    plan = attach(pipe, call, min_speedup=0)
+    detach(plan)
+    receipt = plan.save(tmp_path / "pipe.json")
+    again = attach(pipe.transformer, call, plan=receipt, min_speedup=0)
+    detach(again)
+    assert again.receipt.matched is False
+    assert again.receipt.reason.startswith("none of its ")
+    assert "it has 'transformer.blocks.0.attn1', this model 'blocks.0.attn1'" in again.receipt.reason
+    assert "saved from an object that holds this model as 'transformer'" in again.receipt.reason
+    assert all(s.basis is Basis.REDECIDED for site in again.sites for s in site.shapes if s.key is not None)

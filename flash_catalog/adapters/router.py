@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..capture.calls import AttentionCall, StaticKey
+from ..capture.calls import AttentionCall, StaticKey, dims
 from ..capture.masks import MaskCache
 from ..route.table import CHECK_INSIDE, HOST, Route, capturing
 
@@ -183,8 +183,10 @@ def _unmet(key: StaticKey | None, known: set[StaticKey]) -> str:
     if any(k._replace(strides=(), aligned=()) == key._replace(strides=(), aligned=()) for k in known):
         return (f"q, k or v laid out otherwise than at calibration (strides {key.strides}, 16-byte aligned "
                 f"{key.aligned}); attach with an example whose tensors are laid out as at run time")
-    return (f"a shape calibration did not meet (q={key.q}, {key.dtype}); attach with an example at this shape, "
-            f"or pass a calibration that covers every shape you run")
+    return (f"a shape calibration did not meet (q={dims(key.q)} k={dims(key.k)} "
+            f"{str(key.dtype).removeprefix('torch.')}); attach again with "
+            f"an example at this shape, or with a calibration callable that runs every shape you use (plan= a "
+            f"saved receipt keeps the shapes already decided)")
 
 
 def find_route(table: dict[StaticKey, Route], key: StaticKey) -> Route | None:

@@ -69,9 +69,10 @@ class SavedDecisions:
     specs: dict[str, str]  # form -> spec digest, here
 
     @classmethod
-    def of(cls, plan: Plan, here: dict[str, Any]) -> SavedDecisions:
+    def of(cls, plan: Plan, here: dict[str, Any], paths: set[str] | None = None) -> SavedDecisions:
+        """`paths`: the site modules of this attach (None where sites are found during calibration)."""
         source = plan.source or "the given plan"
-        difference = environment_difference(plan.environment, here)
+        difference = environment_difference(plan.environment, here) or _other_model(plan, paths)
         if difference is not None:
             log.warning("%s cannot serve this attach (%s): every shape is re-decided", source,
                         difference)
@@ -97,6 +98,27 @@ class SavedDecisions:
             else:
                 seeds.append((c.timing_key, timing))
         return Offer(source, True, "", tuple(seeds), tuple(missing))
+
+
+def _other_model(plan: Plan, paths: set[str] | None) -> str | None:
+    """Why the receipt is of another model, where none of its sites is a site module here, or None."""
+    saved = {site.name.rsplit("#", 1)[0] if site.kind == "attention" else site.name for site in plan.sites}
+    if paths is None or not saved or saved & paths:
+        return None
+    theirs, ours = min(saved), min(paths, default="")
+    hint = ": it was saved from another model"
+    for t, o in ((t, o) for t in sorted(saved) for o in sorted(paths)):
+        if t.endswith("." + o):
+            theirs, ours = t, o
+            hint = (f": it was saved from an object that holds this model as {t[:-len(o) - 1]!r} (a pipeline?); "
+                    f"attach that object with this receipt")
+            break
+        if o.endswith("." + t):
+            theirs, ours = t, o
+            hint = f": it was saved from {o[:-len(t) - 1]!r} of this object; attach that with this receipt"
+            break
+    return (f"none of its {len(saved)} site modules is a site here (it has {theirs!r}, this model "
+            f"{ours or 'none'!r}){hint}")
 
 
 def _first(where: str) -> str:
