@@ -44,7 +44,7 @@ def test_sites_that_win_alone_but_slow_the_step_are_dropped_and_the_plan_says_so
     inputs = host.inputs()
     reference, before = run(host.model, inputs), state(host.model)
     slow_bound_calls(monkeypatch)
-    plan = attach(host.model, inputs)
+    plan = attach(host.model, inputs, attention_forms=["grouped_batch"])
     step = plan.step
     assert step.outcome is StepOutcome.NO_NET_WIN, str(plan)
     assert step.dropped == ["attns.0#0", "attns.1#0"]  # 1, then the next 2 (one left): none left, no net win
@@ -65,11 +65,11 @@ def test_sites_that_win_alone_but_slow_the_step_are_dropped_and_the_plan_says_so
 
 def test_the_smallest_gain_goes_first_and_the_rest_stays_bound(monkeypatch):
     host = build("tirex")
-    inputs = host.inputs()
+    inputs = host.inputs(2)  # 1024 variates: the host's dense attention far above the grouped form's
     slow_bound_calls(monkeypatch, sites=("attns.1",))
     gains = {"attns.0#0": 100.0, "attns.1#0": 1.0}
     monkeypatch.setattr(SiteRecord, "gain_ms", property(lambda self: gains[self.name]))
-    plan = attach(host.model, inputs)
+    plan = attach(host.model, inputs, attention_forms=["grouped_batch"])
     assert plan.step.outcome is StepOutcome.TRIMMED, str(plan)
     assert plan.step.dropped == ["attns.1#0"] and plan.step.speedup > 1
     assert plan.site("attns.0#0").outcome == "bound" and plan.site("attns.1#0").outcome == "declined"
@@ -81,7 +81,7 @@ def test_the_smallest_gain_goes_first_and_the_rest_stays_bound(monkeypatch):
 def test_a_step_that_wins_keeps_every_binding_and_is_recorded_in_the_receipt(tmp_path):
     host = build("tirex")
     inputs = host.inputs()
-    plan = attach(host.model, inputs)
+    plan = attach(host.model, inputs, attention_forms=["grouped_batch"])
     step = plan.step
     assert step.outcome is StepOutcome.FASTER and not step.dropped, str(plan)
     assert step.speedup > 1 and step.spread[0] > 1 and step.rounds == 3 and step.host_ms > step.attached_ms
@@ -104,7 +104,7 @@ def test_a_step_that_wins_keeps_every_binding_and_is_recorded_in_the_receipt(tmp
 def test_the_step_is_not_checked_where_the_user_said_so(monkeypatch, options, reason):
     host = build("tirex")
     slow_bound_calls(monkeypatch)  # would drop both, if checked
-    plan = attach(host.model, host.inputs(), **options)
+    plan = attach(host.model, host.inputs(), attention_forms=["grouped_batch"], **options)
     assert plan.step.outcome is StepOutcome.NOT_CHECKED and plan.step.reason == reason
     assert f"step: not checked ({reason})" in str(plan)
     assert {s.outcome for s in plan.sites} == {"bound"}
