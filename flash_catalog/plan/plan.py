@@ -160,7 +160,7 @@ class Plan:
         """A table, one line per site and shape, every line at most 120 columns (`text.table`), then the counts, the
         step check, memory, the receipt reused, timings and parallelism; `explain(site)` tells one site in full."""
         source = self.receipt.source if self.receipt is not None else None
-        return "\n".join(text.table(self.sites, source) + [line for f in self._footer() for line in text.wrap(f)])
+        return "\n".join(text.table(self.sites, source) + [line for f in self.summary() for line in text.wrap(f)])
 
     def explain(self, name: str) -> str:
         """The whole story of site `name`: every shape with its outcome, form, speed (interval, ms), accuracy,
@@ -169,7 +169,9 @@ class Plan:
         site = self.site(name)
         return "\n".join(text.explain(site, self.step, self.routed.get(name, 0), self.fallbacks.get(name, 0)))
 
-    def _footer(self) -> list[str]:
+    def summary(self) -> list[str]:
+        """What the table's footer says, one entry each: the counts, the step check, the receipt reused, memory,
+        where the attach's time went and the parallel run (unwrapped: `print(plan)` wraps them)."""
         counts = ", ".join(f"{n} {o}" for o, n in self.counts().items() if n)
         state = "detached" if self.detached else "attached"
         footer = [f"{len(self.sites)} sites: {counts or 'none'} ({state})"]
