@@ -352,7 +352,7 @@ def test_plan_receipt_json_and_table(tmp_path):
     saved = plan.save(tmp_path / "receipt.json")
     assert json.loads(saved.read_text())["sites"] == data["sites"]
     table = str(plan)
-    assert table.splitlines()[0].split()[:4] == ["site", "shape", "outcome", "form"]
+    assert table.splitlines()[0].split()[:6] == ["site", "shape", "(B,S,H,D)", "float32", "outcome", "form"]
     assert "blocks.0.attn2#1" in table and "6 sites: 6 bound (attached)" in table
     detach(plan)
     assert "(detached)" in str(plan)

@@ -1,14 +1,22 @@
-"""The console script: the demo end to end on the CPU, argument errors before any model is built, and the spec
-tools (list, check, usable) with their exit codes and JSON."""
+"""The console script: the demo end to end on the CPU, argument errors before any model is built, a saved plan read
+back (table, one site, HTML), the spec tools (list, check, usable) with their exit codes and JSON, and every line
+they print within 120 columns."""
 
 import json
 import re
+from html.parser import HTMLParser
 
 import pytest
 import torch
 
+from flash_catalog import attach, detach
 from flash_catalog.cli import tiny_hosts
 from flash_catalog.cli.main import main
+from flash_catalog.plan.plan import Plan
+
+
+def assert_fits(text: str) -> None:
+    assert all(len(line) <= 120 for line in text.splitlines()), max(text.splitlines(), key=len)
 
 
 def test_demo_default_host_binds_a_grouped_form_and_prints_its_timing(capsys):
@@ -23,6 +31,7 @@ def test_demo_default_host_binds_a_grouped_form_and_prints_its_timing(capsys):
     host_ms, attached_ms, ratio = map(float, timing.groups())
     assert host_ms > 0 and attached_ms > 0 and ratio == pytest.approx(host_ms / attached_ms, rel=0.02, abs=0.01)
     assert "detach: host restored bit-exactly (outputs and state_dict equal)" in out
+    assert_fits(out)
 
 
 def test_demo_on_a_diffusers_host_writes_the_receipt(capsys, tmp_path):
@@ -84,8 +93,10 @@ def test_specs_list_labels_devices_masks_and_is_causal(capsys):
     assert "attn_mask kinds: key_padding, block_diagonal, causal, sliding_window; is_causal=True: not served" in flex
     assert "devices: CUDA sm>=89; dtypes: float16, bfloat16" in out.split("sage2_fp8  [")[1]
     assert "devices: CUDA sm>=100 (below: emulated with allow_emulation=True)" in out.split("nvfp4_attention  [")[1]
-    ffn = out.split("fp8_rowwise  [vision_ffn, fp8]")[1].split("\n")[1:3]
+    ffn = [line for line in out.split("fp8_rowwise  [vision_ffn, fp8]")[1].split("\n")[1:]
+           if line.startswith("    ") and line[4] != " "][:2]  # its fields' lines, not the description's wrapped tail
     assert ffn[0].strip().startswith("devices: CPU, CUDA sm>=89;") and ffn[1].strip().startswith("accuracy:")
+    assert_fits(out)
 
     assert main(["specs", "list", "--json"]) == 0
     specs = {s["name"]: s for s in json.loads(capsys.readouterr().out)}
@@ -138,6 +149,7 @@ def test_specs_usable_says_where_each_form_runs_and_why_not(capsys):
     if "CPU only" in out:
         assert re.search(r"no +sage2_fp8 +nowhere here  \(CPU: not in its envelope \(devices: CUDA\); "
                          r"CUDA: torch sees no CUDA device\)", out)
+    assert_fits(out)
     assert main(["specs", "usable", "--json"]) == 0
     forms = {f["form"]: f for f in json.loads(capsys.readouterr().out)["forms"]}
     assert forms["sdpa_dense"]["usable"] and "cpu" in forms["sdpa_dense"]["devices"]
@@ -191,3 +203,85 @@ def test_version_and_the_profile_names_in_help(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "a named selection of forms from specs/profiles: fp8_accurate, fp8_balance," in out
     assert "int8_balance_sage" in out
+
+
+@pytest.fixture(scope="module")
+def receipt(tmp_path_factory):
+    """A receipt of a tiny wan host with its feed-forward sites tried (they are refused: a dim not a multiple of 16)."""
+    host = tiny_hosts.build("wan")
+    plan = attach(host.model, host.inputs(), min_speedup=0, ffn_forms=["int8_rowwise"])
+    detach(plan)
+    return plan.save(tmp_path_factory.mktemp("plan") / "receipt.json")
+
+
+def test_plan_prints_a_receipts_table_and_one_sites_story(capsys, receipt):
+    plan = Plan.load(receipt)
+    assert main(["plan", str(receipt)]) == 0
+    out = capsys.readouterr().out
+    assert out == f"{plan}\n" and "blocks.0.attn2#1" in out and "9 sites: 6 bound, 3 refused (detached)" in out
+    assert_fits(out)
+    assert main(["plan", str(receipt), "--site", "blocks.0.ffn"]) == 0
+    out = capsys.readouterr().out
+    assert out == plan.explain("blocks.0.ffn") + "\n"
+    assert "reason: int8_rowwise: dim 24 not a multiple of 16 at x=(1,32,24)" in out
+    assert_fits(out)
+
+
+class Page(HTMLParser):
+    """What the test reads of the page: the shape rows, the step figure's text, every URL-like attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows, self.step, self.links, self._in_step = 0, "", [], False
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        self.rows += tag == "tr" and "shape" in (attrs.get("class") or "").split()
+        self._in_step = self._in_step or attrs.get("id") == "step"
+        self.links += [v for k, v in attrs.items() if k in ("href", "src") and v]
+        assert tag not in ("script", "link", "img", "iframe"), tag
+
+    def handle_endtag(self, tag):
+        self._in_step = self._in_step and tag != "p"
+
+    def handle_data(self, data):
+        self.step += data if self._in_step else ""
+
+
+def test_plan_html_is_one_self_contained_page(capsys, receipt, tmp_path):
+    out_html = tmp_path / "plan.html"
+    assert main(["plan", str(receipt), "--html", str(out_html)]) == 0
+    assert capsys.readouterr().out.endswith(f"HTML written to {out_html}\n")
+    page, text = Page(), out_html.read_text(encoding="utf-8")
+    page.feed(text)
+    plan = Plan.load(receipt)
+    assert page.rows == sum(len(s.shapes) for s in plan.sites) == 9
+    assert page.step == plan.step.describe() == "step: not checked (min_speedup=0 binds every form that qualifies)"
+    assert page.links == [] and "http" not in text
+    assert f"<code>{plan.environment['torch']}</code>" in text and "int8_rowwise" in text
+    assert text.count('class="bar bound"') == 6  # a speedup bar per measured shape
+
+
+@pytest.mark.parametrize("content,message", [
+    (None, "cannot read it (No such file or directory)"),
+    (b"# not json", "not a plan receipt (invalid JSON: "),
+    (b'{"schema": 1}', "malformed plan receipt: "),
+])
+def test_plan_of_a_file_that_is_not_a_receipt_exits_1_naming_it(capsys, tmp_path, content, message):
+    path = tmp_path / "r.json"
+    if content is not None:
+        path.write_bytes(content)
+    assert main(["plan", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {path}: ") and message in err and err.count("\n") == 1, err
+
+
+def test_plan_errors_for_an_unknown_site_and_an_html_folder_that_is_missing(capsys, receipt):
+    assert main(["plan", str(receipt), "--site", "blocks.0.attn"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {receipt}: no site 'blocks.0.attn' among the plan's 9; close matches: "
+                          "blocks.0.attn1#0, blocks.0.attn2#0, blocks.0.attn2#1"), err
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", str(receipt), "--html", "/no/such/folder/p.html"])
+    assert exit_.value.code == 2
+    assert "argument --html: no folder '/no/such/folder' to write 'p.html' into" in capsys.readouterr().err

@@ -1,4 +1,5 @@
-"""`flash-catalog`: the demo (attach, time, detach, verify) and the spec tools for catalog authors.
+"""`flash-catalog`: the demo (attach, time, detach, verify), a saved plan read back (table, one site, HTML) and the
+spec tools for catalog authors.
 
 Every argument is validated before any model is built: a bad value is an argparse error (exit code 2) that
 names the value and the choices."""
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from ..catalog.catalog import Catalog
 from ..catalog.specs import Spec, SpecError
+from ..plan.text import wrap
 from .tiny_hosts import DIFFUSERS_MODELS, MODELS
 
 if TYPE_CHECKING:
@@ -71,6 +73,17 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("-v", "--verbose", action="count", default=0,
                       help="log what attach decides: -v at INFO (each site's decision), -vv at DEBUG")
     demo.set_defaults(run=_run_demo(demo))
+
+    plan = sub.add_parser(
+        "plan", help="print a saved plan (receipt) as a table, one site's story, or an HTML page",
+        description="Read a receipt (plan.save) and print its table, as print(plan) does, or with --site the whole "
+                    "story of one site (plan.explain). --html writes one self-contained page (no network needed to "
+                    "view it): a row per site and shape with a speedup bar and the accuracy, the step check, the "
+                    "environment and the options. A file that is not a receipt exits 1, naming it.")
+    plan.add_argument("receipt", type=Path, metavar="RECEIPT", help="a receipt written by plan.save or demo --json")
+    plan.add_argument("--site", default=None, metavar="NAME", help="print this site's story instead of the table")
+    plan.add_argument("--html", type=Path, default=None, metavar="OUT.html", help="also write the plan as HTML")
+    plan.set_defaults(run=_run_plan(plan))
 
     specs = sub.add_parser("specs", help="list the catalog, check spec files, show the forms usable here",
                            description="Tools for catalog authors and users.")
@@ -237,6 +250,37 @@ def _demo_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
                        args.runs, args.json)
 
 
+def _run_plan(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        from ..plan.plan import Plan, ReceiptError
+
+        if args.html is not None and not args.html.parent.is_dir():
+            parser.error(f"argument --html: no folder {str(args.html.parent)!r} to write {args.html.name!r} into")
+        try:
+            plan = Plan.load(args.receipt)
+        except ReceiptError as exc:
+            return _error(str(exc))
+        except OSError as exc:
+            return _error(f"{args.receipt}: cannot read it ({exc.strerror or exc})")
+        try:
+            print(plan.explain(args.site) if args.site is not None else plan)
+        except KeyError as exc:
+            return _error(f"{args.receipt}: {exc.args[0]}")
+        if args.html is not None:
+            from ..plan.report_html import render
+
+            args.html.write_text(render(plan), encoding="utf-8")
+            print(f"HTML written to {args.html}")
+        return 0
+    return run
+
+
+def _error(message: str) -> int:
+    """A one-line error on stderr; exit code 1."""
+    print(f"error: {message}", file=sys.stderr)
+    return 1
+
+
 def _load(args: argparse.Namespace) -> Catalog | None:
     """The catalog the command reads, or None after printing every problem (exit 1)."""
     try:
@@ -287,14 +331,15 @@ def _run_usable(args: argparse.Namespace) -> int:
         where = f"on {', '.join(r.devices)}" if r.devices else "nowhere here"
         why = "; ".join(r.reasons + r.notes)
         status = "emulated" if r.emulated_only else "usable" if r.usable else "no"
-        print(f"{status:8}  {r.spec.name:{width}}  {where}" + (f"  ({why})" if why else ""))
+        print("\n".join(wrap(f"{status:8}  {r.spec.name:{width}}  {where}" + (f"  ({why})" if why else ""),
+                             indent=" " * (width + 12))))
     return 0
 
 
 def describe(spec: Spec) -> str:
     """A spec as `specs list` prints it: name, family and precision; devices and dtypes; for attention, the
     attn_mask kinds it serves (a `causal` mask is a tensor) and, apart, whether it serves is_causal=True;
-    accuracy floor and speed gate."""
+    accuracy floor and speed gate; lines wrapped at 120 columns, indented past the fields' lines."""
     e = spec.envelope
     devices = ", ".join(_device_label(d, spec) for d in e.devices)
     lines = [f"{spec.name}  [{spec.family}, {spec.precision}]  {spec.description}",
@@ -315,7 +360,7 @@ def describe(spec: Spec) -> str:
                      + (f", kwargs {dict(h.kwargs)}" if h.kwargs else "")
                      + (f", local build {h.local}" if h.local is not None else "")
                      + " (code from the hub runs only with attach(..., trust_remote_code=...))")
-    return "\n".join(lines)
+    return "\n".join(part for line in lines for part in wrap(line, indent=" " * (len(line) - len(line.lstrip()) + 8)))
 
 
 def _device_label(device: str, spec: Spec) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -10,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from ..decide.step import StepRecord
 from ..kernels.staging import StagingPool
 from ..utf8 import NotUtf8, utf8_text
-from . import json_fields
+from . import json_fields, text
 from .records import MEMORY_FIELDS, OUTCOMES, AttachTimings, ParallelRecord, ReceiptUse, SiteRecord
 
 if TYPE_CHECKING:
@@ -107,10 +108,14 @@ class Plan:
         return self.attachment.routes if self.attachment is not None else None
 
     def site(self, name: str) -> SiteRecord:
+        """The record of site `name`; an unknown name is a KeyError naming the sites closest to it."""
         for s in self.sites:
             if s.name == name:
                 return s
-        raise KeyError(f"no site {name!r}; sites: {', '.join(s.name for s in self.sites)}")
+        names = [s.name for s in self.sites]
+        close = [n for n in names if name in n][:5] or difflib.get_close_matches(name, names, n=5, cutoff=0.5)
+        raise KeyError(f"no site {name!r} among the plan's {len(names)}; "
+                       + (f"close matches: {', '.join(close)}" if close else "plan.sites lists them"))
 
     def counts(self) -> dict[str, int]:
         out = dict.fromkeys(OUTCOMES, 0)
@@ -152,30 +157,36 @@ class Plan:
         return f"Plan({len(self.sites)} sites: {counts or 'none'}; {'detached' if self.detached else 'attached'})"
 
     def __str__(self) -> str:
-        """A table, one line per site and shape; long cells end in an ellipsis (the full reason is in
-        `plan.site(name)` and `plan.to_dict()`)."""
-        rows = [("site", "shape", "outcome", "form", "speedup", "cosine", "reason")]
-        for site in self.sites:
-            for s in site.shapes:
-                rows.append((site.name, s.shape, s.outcome, s.form or "-",
-                             f"{s.speedup:.2f}x" if s.speedup is not None else "-",
-                             f"{s.cosine:.6f}" if s.cosine is not None else "-", s.reason))
-        cells = [tuple(_clip(c, w) for c, w in zip(r, _COLUMN_WIDTHS)) for r in rows]
-        widths = [max(len(r[i]) for r in cells) for i in range(len(rows[0]) - 1)]
-        lines = [("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1]).rstrip() for r in cells]
+        """A table, one line per site and shape, every line at most 120 columns (`text.table`), then the counts, the
+        step check, memory, the receipt reused, timings and parallelism; `explain(site)` tells one site in full."""
+        source = self.receipt.source if self.receipt is not None else None
+        return "\n".join(text.table(self.sites, source) + [line for f in self.summary() for line in text.wrap(f)])
+
+    def explain(self, name: str) -> str:
+        """The whole story of site `name`: every shape with its outcome, form, speed (interval, ms), accuracy,
+        basis, full reason and the forms tried; memory, the step check and the calls served. Lines fit 120
+        columns. An unknown name is a KeyError naming the close matches."""
+        site = self.site(name)
+        return "\n".join(text.explain(site, self.step, self.routed.get(name, 0), self.fallbacks.get(name, 0)))
+
+    def summary(self) -> list[str]:
+        """What the table's footer says, one entry each: the counts, the step check, the receipt reused, memory,
+        where the attach's time went and the parallel run (unwrapped: `print(plan)` wraps them)."""
         counts = ", ".join(f"{n} {o}" for o, n in self.counts().items() if n)
         state = "detached" if self.detached else "attached"
         footer = [f"{len(self.sites)} sites: {counts or 'none'} ({state})"]
         if self.step is not None:
             footer.append(self.step.describe())
-        if cells != rows:
-            footer.append("(cells ending in ... are cut: plan.site(name) and plan.to_dict() hold the full text)")
+        if self.receipt is not None:
+            r = self.receipt
+            footer.append(f"receipt {r.source}: " + ("decisions reused where it had them" if r.matched else
+                                                     f"not used ({r.reason}); every shape was decided here"))
         mem = self.memory()
         if mem["host_bytes"]:
-            footer.append(f"bound feed-forward weights on the device: {_size(mem['host_bytes'])} (host) -> "
-                          f"{_size(mem['form_bytes'])} (forms), {mem['delta_bytes'] / mem['host_bytes']:+.1%}")
+            footer.append(f"bound feed-forward weights on the device: {text.size(mem['host_bytes'])} (host) -> "
+                          f"{text.size(mem['form_bytes'])} (forms), {mem['delta_bytes'] / mem['host_bytes']:+.1%}")
         if mem["staging_bytes"] and self.staging is not None:
-            footer.append(f"staging shared by the bound attention sites: {_size(mem['staging_bytes'])} in "
+            footer.append(f"staging shared by the bound attention sites: {text.size(mem['staging_bytes'])} in "
                           f"{len(self.staging)} buffers (held by the attach, released on detach)")
         if self.timings is not None:
             footer.append(self.timings.describe())
@@ -184,10 +195,8 @@ class Plan:
             footer.append(f"context parallel: world size {p.world_size} (ring {p.ring_degree}, ulysses "
                           f"{p.ulysses_degree}); every decision combined the figures of ranks "
                           f"{', '.join(map(str, p.decided_by))}")
-        return "\n".join(lines + footer)
+        return footer
 
-
-_COLUMN_WIDTHS = (40, 72, 8, 20, 8, 8, 64)  # site, shape, outcome, form, speedup, cosine, reason
 
 _RECEIPT_FIELDS: dict[str, Any] = {
     "environment": dict[str, Any], "options": dict[str, Any], "timings": AttachTimings | None,
@@ -215,18 +224,3 @@ def _json(raw: bytes, path: Path) -> Any:
         return json.loads(text)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError; an integer too long to convert; too deep
         raise ReceiptError(f"{path}: not a plan receipt (invalid JSON: {exc})") from exc
-
-
-def _clip(text: str, width: int) -> str:
-    """The first line of `text`, cut to `width` characters with an ellipsis when longer."""
-    line = text.split("\n", 1)[0]
-    if line == text and len(line) <= width:
-        return text
-    return line[:width - 3].rstrip() + "..."
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"

@@ -4,6 +4,8 @@ Each names the form, what was measured or which rule broke, and the shape, so a 
 
 from __future__ import annotations
 
+import re
+
 from ..decide.gate import Accuracy, Timing
 from ..catalog.specs import AccuracyFloor
 
@@ -63,3 +65,30 @@ def host_only(problem: str) -> str:
 
 NO_FORMS = "no {family} forms selected"
 NOT_CALLED = "not called during calibration"
+
+
+_FIGURES = r"\S+x \([^()]* ms, spread [^()]*, \d+ rounds\)"  # Timing.describe()
+_ORIGIN = r"(?:timed at|reused from) [^()]*?"  # a timing measured at another site, or taken from a receipt
+_BOUND = re.compile(rf"(?P<form>\S+): {_FIGURES}(?: \((?P<at>{_ORIGIN})\))?, faster than \S+x, cos=\S+ err=\S+"
+                    rf"(?:; (?P<detail>.*))?", re.S)
+_DECLINED = re.compile(rf"(?P<form>\S+): declined, (?P<verdict>[a-z ]+ \(need \S+x\)): {_FIGURES}"
+                       rf"(?: as a routed call, kernel alone (?P<alone>\S+x))?(?:, (?P<at>{_ORIGIN}))? at \S+, "
+                       rf"(?P<checked>.*)", re.S)
+_DROPPED = re.compile(r"(?P<form>\S+): dropped by the step check \(.*\); alone it measured (?P<alone>.*)", re.S)
+_AT_SHAPE = re.compile(r" at [a-z]=\([\d,]*\)(?=;|$)")
+
+
+def note(reason: str) -> str:
+    """What a shape's `reason` says beyond the table's other columns (form, outcome, speedup, cosine) and the step
+    line: the detail a bound form chose, where its timing came from, a decline's verdict, a refusal's rules (without
+    the shape, which the row shows)."""
+    if m := _DROPPED.fullmatch(reason):
+        alone = note(m["alone"])
+        return "dropped by the step check" + (f"; alone: {alone}" if alone else "")
+    if m := _BOUND.fullmatch(reason):
+        return "; ".join(part for part in (m["at"], m["detail"]) if part)
+    if m := _DECLINED.fullmatch(reason):
+        parts = [m["verdict"], f"as a routed call (kernel alone {m['alone']})" if m["alone"] else "", m["at"] or "",
+                 m["checked"] if m["checked"] == "not run here" else ""]
+        return ", ".join(part for part in parts if part)
+    return _AT_SHAPE.sub("", reason.removeprefix("host only: "))

@@ -103,10 +103,9 @@ class SiteRecord:
 
     def dropped_at_step(self, step: str) -> None:
         """The site's bound shapes go back to the host: the step check (`step`, its figures) found the attached model
-        not surely faster with them; each keeps its own figures, and its gate's reason in the trail."""
+        not surely faster with them; each keeps its own figures, and its gate's reason stays the trail's last line."""
         for s in self.shapes:
             if s.outcome == "bound":
-                s.trail.append(s.reason)
                 s.outcome = "declined"
                 s.reason = f"{s.form}: dropped by the step check ({step}); alone it measured {s.reason}"
 
