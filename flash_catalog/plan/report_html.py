@@ -41,7 +41,8 @@ def render(plan: Plan) -> str:
     body += _step(plan) + _sites(plan)
     body += ["<h2>Environment</h2>", _pairs(plan.environment), "<h2>Options</h2>", _pairs(plan.options)]
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f"<title>{_e(title)}</title><style>{STYLE}</style></head>\n<body>\n" + "\n".join(body) + "\n</body></html>\n")
+            f"<title>{_e(title)}</title><style>{STYLE}</style></head>\n<body>\n" + "\n".join(body)
+            + "\n</body></html>\n")
 
 
 def _step(plan: Plan) -> list[str]:

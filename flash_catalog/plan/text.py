@@ -23,7 +23,8 @@ HEADER = ("site", "shape", "outcome", "form", "speedup", "cosine", "note")
 SHRINK = (("site", 20), ("shape", 32), ("shape", 16), ("form", 12))
 """Columns cut, in this order and down to these widths, while a row is wider than `WIDTH` (a site is cut from the
 left, `_site_cut`, never so far that two sites read the same, unless nothing else is left to cut)."""
-NOT_MEASURED = "-: not measured (host: no form tried; refused: none qualified; declined, not run here: timed at another site)"
+NOT_MEASURED = ("-: not measured (host: no form tried; refused: none qualified; declined, not run here: timed at "
+                "another site)")
 
 
 def wrap(line: str, width: int = WIDTH, indent: str = "    ") -> list[str]:
