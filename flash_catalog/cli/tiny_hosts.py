@@ -179,7 +179,8 @@ def wan_pipeline(seed: int = 0, two_experts: bool = True) -> Any:
     """A tiny random Wan text-to-video pipeline, built offline: a UMT5 text encoder and a word-level tokenizer, a Wan
     VAE and one transformer, or two (`transformer_2`, Wan 2.2 style: the first serves the high-noise half of the
     steps). Call it as `pipe("a cat on the moon", num_inference_steps=2, height=32, width=32, num_frames=5,
-    max_sequence_length=8, output_type="pt")`."""
+    max_sequence_length=8, output_type="pt")`: height and width multiples of 16 (diffusers refuses others), num_frames
+    4k+1 (others are rounded), prompts of the words "a cat on the moon"."""
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
