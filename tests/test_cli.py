@@ -117,7 +117,14 @@ def test_specs_check_reports_every_problem_with_exit_1_and_json(capsys, tmp_path
     bad.write_text('name = "x"\nfamily = "attention_core"\nimplementation = "a.b:C"\nprecision = "fp7"\n'
                    '[envelope]\ndevices = ["cpu"]\ndtypes = ["float32"]\nmin_seq = 64\nmax_seq = 16\n')
     assert main(["specs", "check", str(bad)]) == 1
-    lines = capsys.readouterr().out.splitlines()
+    printed = capsys.readouterr().out.splitlines()
+    assert all(len(line) <= 120 for line in printed), printed  # long paths wrap, continued with an indent
+    lines = []
+    for line in printed:
+        if line.startswith("      "):
+            lines[-1] += line[6:] if lines[-1].endswith(" ") else " " + line[6:]
+        else:
+            lines.append(line)
     assert lines == [
         f"error {bad}: field 'precision' is 'fp7'; allowed: native, int8, fp8, fp4",
         f"error {bad}: field 'envelope.min_seq' is 64; allowed: at most envelope.max_seq (16)",

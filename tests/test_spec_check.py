@@ -229,7 +229,9 @@ def test_a_spec_or_profile_file_that_is_not_utf8_toml_is_one_problem_naming_the_
     [problem] = found.problems
     assert problem.path == path and message in problem.message, problem
     assert main(["specs", "check", str(path)]) == 1
-    assert f"error {path}: {message}" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert all(len(line) <= 120 for line in printed.splitlines())
+    assert f"error {path}: {message}" in " ".join(printed.split())  # a long line wraps at 120 columns
 
 
 def test_a_utf8_spec_with_a_byte_order_mark_checks_clean(tmp_path):

@@ -310,7 +310,8 @@ def _run_check(args: argparse.Namespace) -> int:
     from ..catalog.spec_check import check
 
     report = check(args.paths or None, extend=args.extend)
-    print(json.dumps(report.to_dict(), indent=2) if args.json else "\n".join(report.lines()))
+    text = [part for line in report.lines() for part in wrap(line, indent="      ")]
+    print(json.dumps(report.to_dict(), indent=2) if args.json else "\n".join(text))
     return 0 if report.ok else 1
 
 
