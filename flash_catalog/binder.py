@@ -277,11 +277,12 @@ def _check_step(check: StepCheck | None, unchecked: str, attachment: Attachment,
     if check is None or not bound:
         return StepRecord.not_checked(unchecked or "nothing was bound")
     checked = check.settle(bound, attachment.drop)
+    dropped, why = set(checked.dropped), checked.describe()
     for record in records:
-        if record.name in checked.dropped:
-            record.dropped_at_step(checked.describe())
-    attachment.installation.reset_counts()
-    log.info("%s", checked.describe())
+        if record.name in dropped:
+            record.dropped_at_step(why)
+    attachment.reset_counts()
+    log.info("%s", why)
     return checked
 
 

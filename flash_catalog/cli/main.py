@@ -232,8 +232,7 @@ def _demo_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
                          f"choose from {', '.join(known)}")
     if args.profile is not None and args.profile not in profiles:
         parser.error(f"argument --profile: unknown profile {args.profile!r}; choose from {', '.join(sorted(profiles))}")
-    if args.json is not None and not args.json.parent.is_dir():
-        parser.error(f"argument --json: no folder {str(args.json.parent)!r} to write {args.json.name!r} into")
+    _check_folder(parser, "--json", args.json)
 
     import torch
 
@@ -254,8 +253,7 @@ def _run_plan(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace],
     def run(args: argparse.Namespace) -> int:
         from ..plan.plan import Plan, ReceiptError
 
-        if args.html is not None and not args.html.parent.is_dir():
-            parser.error(f"argument --html: no folder {str(args.html.parent)!r} to write {args.html.name!r} into")
+        _check_folder(parser, "--html", args.html)
         try:
             plan = Plan.load(args.receipt)
         except ReceiptError as exc:
@@ -273,6 +271,12 @@ def _run_plan(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace],
             print(f"HTML written to {args.html}")
         return 0
     return run
+
+
+def _check_folder(parser: argparse.ArgumentParser, flag: str, path: Path | None) -> None:
+    """`parser.error` (exit 2) where the file `flag` names would go into a folder that does not exist."""
+    if path is not None and not path.parent.is_dir():
+        parser.error(f"argument {flag}: no folder {str(path.parent)!r} to write {path.name!r} into")
 
 
 def _error(message: str) -> int:

@@ -102,12 +102,13 @@ class SavedDecisions:
 
 def _other_model(plan: Plan, paths: set[str] | None) -> str | None:
     """Why the receipt is of another model, where none of its sites is a site module here, or None."""
-    saved = {site.name.rsplit("#", 1)[0] if site.kind == "attention" else site.name for site in plan.sites}
+    saved = {site.path for site in plan.sites}
     if paths is None or not saved or saved & paths:
         return None
     theirs, ours = min(saved), min(paths, default="")
     hint = ": it was saved from another model"
-    for t, o in ((t, o) for t in sorted(saved) for o in sorted(paths)):
+    here = sorted(paths)
+    for t, o in ((t, o) for t in sorted(saved) for o in here):
         if t.endswith("." + o):
             theirs, ours = t, o
             hint = (f": it was saved from an object that holds this model as {t[:-len(o) - 1]!r} (a pipeline?); "

@@ -149,10 +149,15 @@ class StepCheck:
 
     def device_type(self) -> str:
         """"cuda" where CUDA runs the calls (a model without parameters may still run on the GPU), else the model's."""
-        return "cuda" if torch.cuda.is_available() and torch.cuda.is_initialized() else self.device.type
+        return "cuda" if _cuda_in_use() else self.device.type
 
     def _sync(self) -> None:
         """Wait for every CUDA device in use: a model without parameters still runs its calls on the GPU."""
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if _cuda_in_use():
             for index in range(torch.cuda.device_count()):
                 torch.cuda.synchronize(index)
+
+
+def _cuda_in_use() -> bool:
+    """CUDA is set up in this process (something ran there); asking does not initialise it."""
+    return torch.cuda.is_available() and torch.cuda.is_initialized()

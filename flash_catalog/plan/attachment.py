@@ -48,6 +48,10 @@ class Attachment:
         self.routes.release()
         self.released = True
 
+    def reset_counts(self) -> None:
+        """Zero the call counters (after the step check, whose calls are not the user's)."""
+        self.installation.reset_counts()
+
     def fallbacks(self) -> dict[str, int]:
         return self.installation.counts("fallbacks")
 

@@ -95,6 +95,11 @@ class SiteRecord:
         return "; ".join(s.reason for s in self.shapes if s.reason)
 
     @property
+    def path(self) -> str:
+        """The site's module: an attention site's name less its `#ordinal`, a feed-forward site's name."""
+        return self.name.rsplit("#", 1)[0] if self.kind == "attention" else self.name
+
+    @property
     def gain_ms(self) -> float:
         """What the bound shapes saved over the calibration, as the gate measured them: sum of (host - form) ms x
         calls (0 where a shape was not timed here)."""
