@@ -217,14 +217,17 @@ def test_flex_bound_then_compiled_serves_the_first_compiled_call(device, backend
     its compiled kernel under inductor."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    host = build("tirex", device=device)
-    inputs = host.inputs()
-    plan = attach(host.model, inputs, min_speedup=0, attention_forms=["flex_blocksparse"])
+    from test_grouped_hosts import host_and_inputs
+
+    # head_dim 8 on the CPU; 32 on CUDA, where FlexAttention needs at least 16
+    model, inputs = host_and_inputs([16] * 32, patches=4, dim=32 if device == "cpu" else 128)
+    model, inputs = model.to(device), {k: v.to(device) for k, v in inputs.items()}
+    plan = attach(model, inputs, min_speedup=0, attention_forms=["flex_blocksparse"])
     assert {s.form for s in plan.sites} == {"flex_blocksparse"}, str(plan)
-    attached = eager(host.model, inputs)
-    for attn in host.model.attns:
+    attached = eager(model, inputs)
+    for attn in model.attns:
         attn.compile(fullgraph=True, backend=backend)
-    first, second = run(host.model, inputs), run(host.model, inputs)
+    first, second = run(model, inputs), run(model, inputs)
     assert torch.equal(first, second)
     if backend == "aot_eager":
         assert torch.equal(first, attached)
