@@ -97,7 +97,8 @@ def attach(model: nn.Module | Any, example: Example, options: AttachOptions | No
         checked = _check_step(check, unchecked, attachment, records)
     _log_outcome(model, records, job.host_calls)
     return Plan(sites=records, environment=job.environment,
-                options=options.record([s.name for s in job.specs], [s.name for s in job.ffn_specs], job.adapter.name),
+                options=options.recorded([s.name for s in job.specs], [s.name for s in job.ffn_specs]),
+                adapter=job.adapter.name,
                 attachment=attachment, timings=job.timings(calibration.clock, step.seconds),
                 receipt=job.saved.use if job.saved is not None else None, parallel=job.agreement.record,
                 step=checked)

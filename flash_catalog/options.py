@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -10,7 +10,6 @@ from .catalog.profiles import get_profile
 
 if TYPE_CHECKING:
     from .catalog.catalog import Catalog
-    from .plan.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -34,8 +33,9 @@ class AttachOptions:
     not run; one that passed is run once, for its accuracy floor). The options are this call's, not the receipt's;
     each shape record says what was reused and what was re-decided.
 
-    Made, the record holds the profile's selection where no explicit list was given (`ffn_forms` and `projections`
-    are then lists, `[]` by default), and `trust_remote_code` as True, False or a tuple of repo ids.
+    Made, the record holds the profile's selection where no explicit list was given, every list as a tuple
+    (`ffn_forms` and `projections` are `()` by default), and `trust_remote_code` as True, False or a tuple of repo
+    ids. `plan.options` is this record as the attach used it (`recorded`): the forms tried, by name and in order.
     """
 
     attention_forms: Sequence[str] | None = None
@@ -52,18 +52,18 @@ class AttachOptions:
     step_check: bool = True
     catalog: Catalog | None = None
     trust_remote_code: bool | Sequence[str] = False
-    plan: str | Path | Plan | None = None
+    plan: str | Path | object | None = None  # a saved receipt's path, or a Plan (not imported: plan/ records this)
 
     def __post_init__(self) -> None:
         attention, ffn, projections = _resolve_profile(self.profile, self.attention_forms, self.ffn_forms,
                                                        self.projections)
-        object.__setattr__(self, "attention_forms", attention)
-        object.__setattr__(self, "ffn_forms", ffn)
-        object.__setattr__(self, "projections", projections)
-        _check_ranges(self)
-        object.__setattr__(self, "trust_remote_code", _check_trust(self.trust_remote_code))
         if isinstance(self.sites, str):
             raise TypeError(f"sites must be a list of glob patterns, not the string {self.sites!r}")
+        for name, value in (("attention_forms", attention), ("ffn_forms", ffn), ("projections", projections),
+                            ("sites", self.sites)):
+            object.__setattr__(self, name, _names(value))
+        _check_ranges(self)
+        object.__setattr__(self, "trust_remote_code", _check_trust(self.trust_remote_code))
 
     @classmethod
     def of(cls, options: AttachOptions | None, overrides: dict[str, Any]) -> AttachOptions:
@@ -77,16 +77,27 @@ class AttachOptions:
             raise TypeError(f"attach got an AttachOptions and keyword options ({', '.join(overrides)}); pass one")
         return options
 
-    def record(self, attention_forms: list[str], ffn_forms: list[str], adapter: str) -> dict[str, Any]:
-        """The options as the plan records them: the forms tried (by name, in order) and the adapter used."""
-        trust = self.trust_remote_code
-        return {"attention_forms": attention_forms, "ffn_forms": ffn_forms, "profile": self.profile,
-                "projections": list(self.projections), "adapter": adapter, "min_speedup": self.min_speedup,
-                "timing_rounds": self.timing_rounds, "min_cosine": self.min_cosine, "max_rel_err": self.max_rel_err,
-                "sites": list(self.sites) if self.sites is not None else None,
-                "keep_host_on_device": self.keep_host_on_device, "allow_emulation": self.allow_emulation,
-                "step_check": self.step_check,
-                "trust_remote_code": trust if isinstance(trust, bool) else list(trust)}
+    def recorded(self, attention_forms: Sequence[str], ffn_forms: Sequence[str]) -> AttachOptions:
+        """The options as the plan records them: the forms tried (by name, in order); the catalog and the reused
+        receipt, which are objects, are left out (`plan.receipt` says what a receipt gave)."""
+        return replace(self, attention_forms=tuple(attention_forms), ffn_forms=tuple(ffn_forms), catalog=None,
+                       plan=None)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The recorded options as a receipt writes them (JSON: tuples as lists)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _OBJECTS}
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
+
+
+_OBJECTS = ("catalog", "plan")
+"""Options that are objects, not data: a receipt does not record them."""
+RECORDED = tuple(f.name for f in fields(AttachOptions) if f.name not in _OBJECTS)
+"""The options a plan's receipt records."""
+
+
+def _names(value: Sequence[str] | None) -> tuple[str, ...] | str | None:
+    """A list option as a tuple; a string is kept for its check (the catalog names the family it was meant for)."""
+    return value if value is None or isinstance(value, str) else tuple(value)
 
 
 def _resolve_profile(profile: str | None, attention_forms: Sequence[str] | None,

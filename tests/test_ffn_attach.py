@@ -76,11 +76,11 @@ def test_ffn_guard_runs_the_host_at_a_new_shape():
 def test_profiles_select_forms_and_explicit_lists_outrank_them():
     host = build("ltx", dtype=torch.bfloat16)
     plan = attach(host.model, host.inputs(), profile="fp8_balance", min_speedup=0)
-    assert plan.options["ffn_forms"] == ["fp8_rowwise"]
+    assert plan.options.ffn_forms == ("fp8_rowwise",)
     assert plan.site("transformer_blocks.0.ff").form == "fp8_rowwise"
     detach(plan)
     plan = attach(host.model, host.inputs(), profile="fp8_balance_sage", ffn_forms=[], attention_forms=["sdpa_dense"])
-    assert plan.options["ffn_forms"] == [] and plan.options["attention_forms"] == ["sdpa_dense"]
+    assert plan.options.ffn_forms == () and plan.options.attention_forms == ("sdpa_dense",)
     assert all(s.kind == "attention" for s in plan.sites)
     detach(plan)
     with pytest.raises(ValueError, match=r"unknown profile 'fast'; known: fp8_accurate, fp8_balance, fp8_balance_proj, "
@@ -154,7 +154,7 @@ def test_whitelisted_projections_are_quantized_sites():
 def test_the_projection_profile_names_its_patterns():
     host = build("ltx", dtype=torch.bfloat16)
     plan = attach(host.model, host.inputs(), profile="fp8_balance_proj", min_speedup=0)
-    assert plan.options["projections"] == ["*attn*.to_q", "*attn*.to_k", "*attn*.to_v", "*attn*.to_out.0"]
+    assert plan.options.projections == ("*attn*.to_q", "*attn*.to_k", "*attn*.to_v", "*attn*.to_out.0")
     bound = {s.name for s in plan.sites if s.kind == "ffn" and s.outcome == "bound"}
     assert {"transformer_blocks.0.attn2.to_k", "transformer_blocks.1.ff"} <= bound
     detach(plan)

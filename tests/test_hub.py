@@ -317,7 +317,7 @@ def test_trust_remote_code_must_be_a_bool_or_a_list_of_repos(tmp_path):
 def test_the_opt_in_is_recorded_in_the_plan(tmp_path):
     plan = attach(block(), (x(),), catalog=catalog(tmp_path), attention_forms=["sdpa_dense"],
                   trust_remote_code=[REPO])
-    assert plan.options["trust_remote_code"] == [REPO]
+    assert plan.options.trust_remote_code == (REPO,)
     detach(plan)
 
 

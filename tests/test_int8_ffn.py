@@ -6,7 +6,7 @@ from diffusers.models.attention import FeedForward
 
 from flash_catalog import attach, detach
 from flash_catalog.catalog.catalog import specs_dir
-from flash_catalog.forms.fp8_rowwise import QuantizedFeedForward, QuantizedLinear
+from flash_catalog.forms.w8a8_rowwise import QuantizedFeedForward, QuantizedLinear
 from flash_catalog.forms.int8_rowwise import INT8, Int8RowwiseFfn
 from flash_catalog.catalog.profiles import get_profile
 from flash_catalog.kernels.int8_gemm import quantize_rows_int8, quantize_rows_int8_torch
@@ -95,7 +95,7 @@ def test_int8_balance_sage_names_its_forms_and_projections():
     # dense attention and one projection pattern: the sage2 and INT8 kernels run through the CPU interpreter here
     plan = attach(host.model, host.inputs(), profile="int8_balance_sage", attention_forms=["sdpa_dense"],
                   projections=["transformer_blocks.0.attn1.to_q"], min_speedup=0)
-    assert plan.options["ffn_forms"] == ["int8_rowwise"]
+    assert plan.options.ffn_forms == ("int8_rowwise",)
     to_q = plan.site("transformer_blocks.0.attn1.to_q")
     assert to_q.kind == "ffn" and to_q.form == "int8_rowwise" and to_q.outcome == "bound", str(plan)
     detach(plan)

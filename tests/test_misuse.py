@@ -8,7 +8,7 @@ import pickle
 import pytest
 import torch
 
-from flash_catalog import Plan, attach, detach
+from flash_catalog import Plan, attach, default_catalog, detach
 from flash_catalog.cli.tiny_hosts import build, wan_pipeline
 
 
@@ -78,8 +78,18 @@ def test_attach_takes_its_options_as_keywords_or_one_attach_options_record():
 
     host = build("wan")
     plan = attach(host.model, host.inputs(), AttachOptions(attention_forms=[]))
-    assert plan.options["attention_forms"] == [] and plan.counts()["host"] == len(plan.sites)
+    assert plan.options.attention_forms == () and plan.counts()["host"] == len(plan.sites)
     detach(plan)
+    chosen = AttachOptions(profile="fp8_balance", min_speedup=0, sites=iter(["*attn1"]), timing_rounds=1)
+    plan = attach(host.model, host.inputs(), chosen)
+    recorded = plan.options  # the forms tried by name, lists as tuples, the catalog and the receipt left out
+    assert recorded.profile == "fp8_balance" and recorded.sites == ("*attn1",) and recorded.catalog is None
+    assert recorded.attention_forms == tuple(s.name for s in default_catalog().select("attention_core", None))
+    assert recorded.ffn_forms == tuple(chosen.ffn_forms) and recorded.ffn_forms
+    detach(plan)
+    again = attach(host.model, host.inputs(), recorded)  # the record attaches as the options it records
+    assert again.options == recorded and [s.name for s in again.sites] == [s.name for s in plan.sites]
+    detach(again)
     with pytest.raises(TypeError, match="an AttachOptions and keyword options"):
         attach(host.model, host.inputs(), AttachOptions(), min_speedup=1.0)
     with pytest.raises(TypeError, match="keyword arguments or one AttachOptions"):

@@ -4,7 +4,7 @@ of `plan.explain(site)` within 120 columns too, and a one-line repr."""
 
 import pytest
 
-from flash_catalog import attach, detach
+from flash_catalog import AttachOptions, attach, detach
 from flash_catalog.cli.tiny_hosts import build, wan_pipeline
 from flash_catalog.decide.gate import Accuracy, Timing
 from flash_catalog.plan import receipts
@@ -29,7 +29,7 @@ def plan() -> Plan:
     host = ShapeRecord("q=(1,2,64,8) k=(1,2,64,8) float32", 1, "host", reason=receipts.host_only("attention_kwargs"),
                        key=KEY)
     return Plan([SiteRecord("attns.0#0", [bound]), SiteRecord("attns.1#0", [declined]), SiteRecord("x#0", [host])],
-                environment={}, options={})
+                environment={}, options=AttachOptions())
 
 
 def assert_fits(text: str) -> None:
@@ -75,7 +75,7 @@ def test_long_site_names_are_cut_from_the_left_and_stay_distinct():
     """A pipeline's sites: the component (`transformer_2.`) is kept before the ellipsis, the tail after it."""
     names = [f"transformer{tail}.transformer_blocks.{i}.audio_to_video_attn#0" for tail in ("", "_2") for i in (0, 1)]
     shape = ShapeRecord(SHAPE + " causal", 1, "bound", "flex_blocksparse", 1.5, 0.999, 0.01, LONG, key=KEY)
-    p = Plan([SiteRecord(n, [shape]) for n in names], environment={}, options={})
+    p = Plan([SiteRecord(n, [shape]) for n in names], environment={}, options=AttachOptions())
     lines = str(p).splitlines()
     cells = [line.split()[0] for line in lines[1:5]]
     heads = [c.split("...")[0] for c in cells]
@@ -108,7 +108,7 @@ def test_feed_forward_memory_in_explain():
     shape = ShapeRecord("x=(1,32,64) float32 rows=32", 1, "bound", "int8_rowwise", 1.2, 0.9999, 0.01, "int8: ok")
     site = SiteRecord("blocks.0.ffn", [shape], kind="ffn",
                       memory={"form_bytes": 3 << 20, "host_bytes": 6 << 20, "delta_bytes": -(3 << 20)})
-    text = Plan([site], {}, {}).explain("blocks.0.ffn")
+    text = Plan([site], {}, AttachOptions()).explain("blocks.0.ffn")
     assert "memory on the device: host 6.0 MiB -> form 3.0 MiB, -50.0%" in text
 
 
@@ -138,4 +138,4 @@ def test_repr_is_one_short_line():
     assert repr(p) == "Plan(3 sites: 1 bound, 1 declined, 1 host; attached)"
     p.detached = True
     assert repr(p) == "Plan(3 sites: 1 bound, 1 declined, 1 host; detached)"
-    assert repr(Plan([], {}, {})) == "Plan(0 sites: none; attached)"
+    assert repr(Plan([], {}, AttachOptions())) == "Plan(0 sites: none; attached)"

@@ -40,7 +40,7 @@ def test_causal_decoder_binds_and_detaches_exactly():
     inputs = {"input_ids": IDS}
     reference = hidden(model, inputs)
     plan = attach(model, inputs, min_speedup=0)
-    assert plan.options["adapter"] == "transformers"
+    assert plan.adapter == "transformers"
     assert [s.name for s in plan.sites] == ["layers.0.self_attn#0", "layers.1.self_attn#0"]
     for site in plan.sites:
         assert site.outcome == "bound" and site.form == "sdpa_dense"

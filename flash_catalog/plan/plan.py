@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..decide.step import StepRecord
 from ..kernels.staging import StagingPool
+from ..options import RECORDED, AttachOptions
 from ..utf8 import NotUtf8, utf8_text
 from . import json_fields, text
 from .records import MEMORY_FIELDS, OUTCOMES, AttachTimings, ParallelRecord, ReceiptUse, SiteRecord
@@ -33,7 +34,10 @@ class Plan:
 
     sites: list[SiteRecord]
     environment: dict[str, Any]
-    options: dict[str, Any]
+    options: AttachOptions
+    """The options as the attach used them (`AttachOptions.recorded`: the forms tried, by name)."""
+    adapter: str | None = None
+    """The host family's adapter that found the sites (`diffusers`, `transformers`, `sdpa`, ...)."""
     detached: bool = False
     timings: AttachTimings | None = None
     receipt: ReceiptUse | None = None  # the receipt this attach reused decisions from, if any
@@ -74,9 +78,12 @@ class Plan:
                     raise json_fields.FieldError(key, f"is unknown; expected only {', '.join(_RECEIPT_FIELDS)}")
             json_fields.read(dict[str, str] | None, read["environment"].get("specs"), "environment.specs")
             sites = [SiteRecord.from_dict(s, f"sites[{i}]") for i, s in enumerate(read["sites"])]
+            options = dict(read["options"])
+            adapter = json_fields.read(str | None, data.get("adapter", options.pop("adapter", None)), "adapter")
+            options = _options(options)
         except json_fields.FieldError as exc:
             raise ReceiptError(f"{source}: malformed plan receipt: {exc}") from exc
-        return cls(sites=sites, environment=read["environment"], options=read["options"], detached=True,
+        return cls(sites=sites, environment=read["environment"], options=options, adapter=adapter, detached=True,
                    timings=read["timings"], receipt=read["receipt"], source=source, parallel=read["parallel"],
                    recorded_fallbacks=read["fallbacks"], recorded_routed=read["routed"], step=read["step"])
 
@@ -136,7 +143,8 @@ class Plan:
         return totals
 
     def to_dict(self) -> dict[str, Any]:
-        return {"schema": SCHEMA, "environment": self.environment, "options": self.options, "counts": self.counts(),
+        return {"schema": SCHEMA, "environment": self.environment, "options": self.options.to_dict(),
+                "adapter": self.adapter, "counts": self.counts(),
                 "memory": self.memory(), "timings": asdict(self.timings) if self.timings is not None else None,
                 "receipt": asdict(self.receipt) if self.receipt is not None else None,
                 "fallbacks": self.fallbacks, "routed": self.routed, "detached": self.detached,
@@ -204,8 +212,23 @@ _RECEIPT_FIELDS: dict[str, Any] = {
     "parallel": ParallelRecord | None, "step": StepRecord | None, "sites": list[Any]}
 """What `Plan.from_dict` reads back, by type (`parallel` and `step` may be absent); the sites are read by
 `SiteRecord`."""
-_DERIVED_FIELDS = ("schema", "counts", "memory", "detached")  # written for readers, not read back
+_DERIVED_FIELDS = ("schema", "counts", "memory", "detached", "adapter")  # read apart, or written for readers only
 _OPTIONAL_FIELDS = ("parallel", "step")
+
+
+def _options(data: dict[str, Any]) -> AttachOptions:
+    """The receipt's options, each value checked as `AttachOptions` checks it, a bad one named by its field."""
+    for key, value in data.items():
+        if key not in RECORDED:
+            raise json_fields.FieldError(f"options.{key}", f"is unknown; expected only {', '.join(RECORDED)}")
+        try:
+            AttachOptions(**{key: value})
+        except (TypeError, ValueError) as exc:
+            raise json_fields.FieldError(f"options.{key}", f"is not a value of this option: {exc}") from exc
+    try:
+        return AttachOptions(**data)
+    except (TypeError, ValueError) as exc:
+        raise json_fields.FieldError("options", f"does not hold one set of attach's options: {exc}") from exc
 
 
 def _missing(name: str) -> Any:

@@ -39,7 +39,8 @@ def render(plan: Plan) -> str:
         body.append(f"<p>receipt <code>{_e(plan.source)}</code></p>")
     body.append("<ul id=\"summary\">" + "".join(f"<li>{_e(line)}</li>" for line in plan.summary()) + "</ul>")
     body += _step(plan) + _sites(plan)
-    body += ["<h2>Environment</h2>", _pairs(plan.environment), "<h2>Options</h2>", _pairs(plan.options)]
+    body += ["<h2>Environment</h2>", _pairs(plan.environment), "<h2>Options</h2>",
+             _pairs({**plan.options.to_dict(), "adapter": plan.adapter})]
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>{_e(title)}</title><style>{STYLE}</style></head>\n<body>\n" + "\n".join(body)
             + "\n</body></html>\n")
