@@ -220,9 +220,34 @@ def context_parallel(sig: CallSignature, args: tuple[Any, ...], kwargs: dict[str
 Rehearsal = Callable[[Route, bool], Callable[[], Any]]
 """The call at hand as a route would serve it once bound (`AttentionRouter.rehearsal`): what the gate times."""
 
-# (slot, ordinal, call or None, why only the host may serve it, the original function, args, kwargs, rehearsal)
-Capture = Callable[[SiteSlot, int, AttentionCall | None, str | None, Callable[..., torch.Tensor], tuple, dict,
-                    Rehearsal], torch.Tensor]
+
+
+@dataclass(frozen=True, eq=False)
+class MetCall:
+    """An attention call as calibration meets it: the site's slot and the call's ordinal there, the canonical call
+    (None, with `problem`, where only the host may serve it), the host's function with its arguments, and the
+    rehearsal of the call as a bound route would serve it."""
+
+    slot: SiteSlot
+    ordinal: int
+    call: AttentionCall | None
+    problem: str | None
+    original: Callable[..., torch.Tensor]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    rehearsal: Rehearsal
+
+    @property
+    def site(self) -> str:
+        return f"{self.slot.path}#{self.ordinal}"
+
+    def host(self) -> torch.Tensor:
+        """The call on the host's own path."""
+        return self.original(*self.args, **self.kwargs)
+
+
+Capture = Callable[[MetCall], torch.Tensor]
+"""Calibration's handler of each attention call: decides a new (site, shape) and returns the call's output."""
 
 
 @dataclass(eq=False)
@@ -352,8 +377,8 @@ class AttentionRouter:
                     frame.local = None
             if self.mode is Mode.CAPTURE and self.capture is not None:
                 call, problem = canonical(sig, args, kwargs, self.masks)
-                return self.capture(frame.slot, ordinal, call, problem, original, args, kwargs,
-                                    self.rehearsal(original, sig, args, kwargs))
+                return self.capture(MetCall(frame.slot, ordinal, call, problem, original, args, kwargs,
+                                            self.rehearsal(original, sig, args, kwargs)))
             return self._route(frame.slot, ordinal, original, sig, args, kwargs)
         finally:
             frame.busy = False

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..plan import receipts
 from ..adapters.ffn import FfnKey, FfnSite, ffn_key
-from ..adapters.router import Rehearsal, SiteSlot
+from ..adapters.router import MetCall, SiteSlot
 from ..route.table import Alternative, RouteTable, unlisted_route
 from .calls import AttentionCall, Output, ShapeKey, StaticKey, dims, dtype_name
 from ..decide.decide import AttachClock, Built, Contender, Decision, GateOptions, TimingCache, Trial, decide
@@ -113,42 +113,38 @@ class Calibration:
     _checks: dict[tuple[StaticKey, Any], MaskCheck] = field(default_factory=dict)
 
     # -- attention: the router's capture ---------------------------------------------------------------------
-    def meet_attention(self, slot: SiteSlot, ordinal: int, call: AttentionCall | None, problem: str | None,
-                       original: Callable[..., torch.Tensor], args: tuple, kwargs: dict,
-                       rehearsal: Rehearsal) -> torch.Tensor:
-        def host() -> torch.Tensor:
-            return original(*args, **kwargs)
-
-        site = f"{slot.path}#{ordinal}"
+    def meet_attention(self, met: MetCall) -> torch.Tensor:
+        """Decide the met call's (site, shape) the first time it is met; return the call's output."""
+        site, slot, ordinal, call = met.site, met.slot, met.ordinal, met.call
         slot.table(ordinal)
         reused = call is not None and call.attn_mask is not None and self.mask_reuse.note(call.attn_mask)
-        key = call.shape_key() if call is not None else f"unroutable: {problem}"
+        key = call.shape_key() if call is not None else f"unroutable: {met.problem}"
         records = self.attention.setdefault(site, {})
         if key in records:
             records[key].calls += 1
-            return host()
+            return met.host()
         record = ShapeRecord(key.describe() if call is not None else "-", 1, "host",
                              key=key.fields() if call is not None else None)
         records[key] = record
-        if call is None or problem:
-            record.reason = receipts.host_only(problem or "")
-            return host()
+        if call is None or met.problem:
+            record.reason = receipts.host_only(met.problem or "")
+            return met.host()
         static = call.static_key()
         slot.known[ordinal].add(static)
         if not self.attention_forms:
             record.reason = receipts.NO_FORMS.format(family="attention")
-            return host()
+            return met.host()
         shape = f"q={dims(call.host_shape(call.query))}"
 
         def rehearse(runner: Runner, layout: tuple[int, ...]) -> Callable[[], Output]:
             alternatives = (*self._alternatives.get((slot.path, ordinal, static), ()),
                             self._alternative(call, static, runner))
-            return rehearsal(unlisted_route(static, original, call.static, alternatives, layout), reused)
+            return met.rehearsal(unlisted_route(static, met.original, call.static, alternatives, layout), reused)
 
-        decision = self._decide(site, record, shape, call.query.device, host,
+        decision = self._decide(site, record, shape, call.query.device, met.host,
                                 [attention_contender(form, site, call, rehearse) for form in self.attention_forms])
         if decision.winner is not None:
-            self._route(slot, ordinal, call, static, original, decision.winner.built.product,
+            self._route(slot, ordinal, call, static, met.original, decision.winner.built.product,
                         decision.winner.layout)
         self.staging.keep_only(self.staging_keys())
         return decision.host_out
