@@ -17,8 +17,9 @@ diffusers_attention = pytest.importorskip("diffusers.models.attention")
 FeedForward = diffusers_attention.FeedForward
 
 from flash_catalog.catalog.catalog import Catalog, build_form, specs_dir  # noqa: E402
-from flash_catalog.forms.fp8_rowwise import (ACTIVATIONS, Fp8RowwiseFfn, Fp8UpFfn,  # noqa: E402
-                                             QuantizedFeedForward, QuantizedUpFeedForward)
+from flash_catalog.forms.ffn_host import ACTIVATIONS  # noqa: E402
+from flash_catalog.forms.fp8_rowwise import Fp8RowwiseFfn, Fp8UpFfn, QuantizedUpFeedForward  # noqa: E402
+from flash_catalog.forms.w8a8_rowwise import QuantizedFeedForward  # noqa: E402
 from flash_catalog.forms.context import FormContext  # noqa: E402
 from flash_catalog.forms.nvfp4_w4a4 import NvFp4FeedForward, NvFp4Ffn  # noqa: E402
 from flash_catalog.kernels import fp8_rowwise as fp8  # noqa: E402

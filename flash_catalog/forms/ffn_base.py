@@ -1,4 +1,5 @@
-"""What a feed-forward form provides to the binder: a quantized replacement built once from the host module."""
+"""What a feed-forward form provides to the binder: a quantized replacement built once from the host module, and
+the replacement modules' common base."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from torch import nn
 
 from ..catalog.specs import Spec
 from .context import NO_CONTEXT, FormContext
+from .ffn_host import ACTIVATIONS
 
 
 class FfnForm:
@@ -31,3 +33,25 @@ class FfnForm:
 
     def build(self, module: nn.Module) -> nn.Module:
         raise NotImplementedError
+
+
+class QuantizedModule(nn.Module):
+    """A form's replacement module: holds only buffers of its own, in one input/output dtype."""
+
+    dtype: torch.dtype
+
+    def resident_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def check_input(self, x: torch.Tensor) -> None:
+        if x.dtype != self.dtype:
+            raise ValueError(f"input dtype {x.dtype} differs from this module's {self.dtype}; no implicit cast")
+
+    def hold(self, dtype: torch.dtype, activation: str | None, **buffers: torch.Tensor) -> None:
+        """Record the module's dtype and activation (checked against ACTIVATIONS) and register its buffers."""
+        if activation is not None and activation not in ACTIVATIONS:
+            raise ValueError(f"activation is {activation!r}; allowed: {', '.join(ACTIVATIONS)}")
+        self.activation = activation
+        self.dtype = dtype
+        for name, t in buffers.items():
+            self.register_buffer(name, t)

@@ -9,15 +9,13 @@ times less than e4m3's 3-bit mantissa: on random data cosine 0.99995 per GEMM, w
 from __future__ import annotations
 
 from ..kernels.int8_gemm import quantize_weight_int8
-from .fp8_rowwise import Fp8RowwiseFfn, Scheme
+from .w8a8_rowwise import Scheme, W8A8RowwiseFfn
 
 INT8 = Scheme("int8 rowwise", "int8", quantize_weight_int8)
 
 
-class Int8RowwiseFfn(Fp8RowwiseFfn):
-    """INT8 W8A8 with rowwise scales for diffusers FeedForward hosts and whitelisted `nn.Linear`s: the FP8 form's
-    rules and layout handling, INT8 codes and kernels."""
+class Int8RowwiseFfn(W8A8RowwiseFfn):
+    """INT8 W8A8 with rowwise scales for diffusers FeedForward hosts and whitelisted `nn.Linear`s: the W8A8 rules
+    and layout handling, INT8 codes and kernels."""
 
-    @property
-    def scheme(self) -> Scheme:
-        return INT8
+    scheme = INT8

@@ -14,8 +14,8 @@ from torch import nn
 
 from ..kernels.linear_ops import nvfp4_linear
 from ..kernels.nvfp4 import NvFp4Tensor, quantize_nvfp4
-from .ffn_base import FfnForm
-from .fp8_rowwise import QuantizedModule, adopt_layout, copied_bias, ffn_rule, host_activation
+from .ffn_base import FfnForm, QuantizedModule
+from .ffn_host import adopt_layout, copied_bias, ffn_rule, host_activation
 
 NATIVE_CAPABILITY = (10, 0)
 _PARTS = ("codes", "block_scale", "global_scale")
