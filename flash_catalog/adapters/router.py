@@ -347,8 +347,8 @@ class AttentionRouter:
         if self.mode is Mode.CAPTURE and self.capture is not None:
             call, problem = canonical(LOCAL_SIGNATURE, call_args, call_kwargs, self.masks)
             host = self._local_host(forward_op, plumbing.get("_parallel_config"))
-            return self.capture(frame.slot, frame.local, call, problem, host, call_args, call_kwargs,
-                                self.rehearsal(host, LOCAL_SIGNATURE, call_args, call_kwargs))
+            return self.capture(MetCall(frame.slot, frame.local, call, problem, host, call_args, call_kwargs,
+                                        self.rehearsal(host, LOCAL_SIGNATURE, call_args, call_kwargs)))
         return self._route(frame.slot, frame.local, exact, LOCAL_SIGNATURE, call_args, call_kwargs)
 
     def _local_host(self, forward_op: Callable[..., Any], parallel_config: Any) -> LocalHost:
