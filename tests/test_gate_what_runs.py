@@ -15,6 +15,8 @@ from torch._dynamo.utils import counters
 
 from flash_catalog import Catalog, attach, detach
 from flash_catalog.route import table as routes
+from flash_catalog.capture.calls import AttentionCall
+from flash_catalog.capture.masks import MaskInfo
 from flash_catalog.catalog.catalog import specs_dir
 from flash_catalog.cli.tiny_hosts import build
 
@@ -173,17 +175,29 @@ def test_the_gate_reads_the_mask_at_every_call_only_where_the_host_builds_a_new_
     assert given_reads <= 2 and fresh_reads >= 6, (given_reads, fresh_reads)
 
 
-def test_sdpa_dense_pins_its_backend_for_the_call_and_restores_every_switch():
+def test_sdpa_dense_pins_its_backend_for_the_call_and_restores_every_switch(monkeypatch):
     """The form's lean pin (in place of `sdpa_kernel`'s context manager at every call) leaves torch's switches as it
     found them, also where the call raises."""
     from torch.nn.attention import SDPBackend
 
-    from flash_catalog.forms.sdpa_dense import _SWITCHES, pinned
+    from flash_catalog.forms import sdpa_dense
 
-    before = [get() for get, _, _ in _SWITCHES]
-    seen = pinned(SDPBackend.MATH, lambda: [get() for get, _, _ in _SWITCHES])
-    assert seen == [member is SDPBackend.MATH for _, _, member in _SWITCHES]
-    assert [get() for get, _, _ in _SWITCHES] == before
-    with pytest.raises(RuntimeError):
-        pinned(SDPBackend.FLASH_ATTENTION, lambda: (_ for _ in ()).throw(RuntimeError("no kernel")))
-    assert [get() for get, _, _ in _SWITCHES] == before
+    def switches():
+        return [get() for get, _, _ in sdpa_dense._SWITCHES]
+
+    before = switches()
+    q = torch.randn(1, 2, 8, 4)
+    call = AttentionCall(q, q, q, None, False, None, False, 0.0, "bhsd", MaskInfo("none"))
+    seen = []
+    monkeypatch.setattr(sdpa_dense, "_SDPA", lambda *args, **kwargs: seen.append(switches()) or args[0])
+    assert sdpa_dense.run_sdpa(SDPBackend.MATH, False, call) is q
+    assert seen == [[member is SDPBackend.MATH for _, _, member in sdpa_dense._SWITCHES]]
+    assert switches() == before
+
+    def no_kernel(*args, **kwargs):
+        raise RuntimeError("no kernel")
+
+    monkeypatch.setattr(sdpa_dense, "_SDPA", no_kernel)
+    with pytest.raises(RuntimeError, match="no kernel"):
+        sdpa_dense.run_sdpa(SDPBackend.FLASH_ATTENTION, False, call)
+    assert switches() == before

@@ -81,3 +81,24 @@ def test_two_threads_route_and_count_their_own_calls():
     assert set(plan.routed) <= sites and set(plan.fallbacks) <= sites, (plan.routed, plan.fallbacks)
     assert sum(plan.fallbacks.values()) == rounds * calls_per_forward
     detach(plan)
+
+
+class NamedLikeTheRouter(torch.nn.Module):
+    """A site whose forward takes arguments named as the router's frame takes its own (`slot`, `run`)."""
+
+    def forward(self, q, slot=None, run=None):
+        return F.scaled_dot_product_attention(q, q, q) * slot + run
+
+
+def test_a_routed_site_passes_on_arguments_of_any_name():
+    q, _, _ = _qkv()
+    model = NamedLikeTheRouter()
+    with torch.no_grad():
+        reference = model(q, slot=2.0, run=1.0)
+    plan = attach(model, (q, 2.0, 1.0), min_speedup=0, attention_forms=["sdpa_dense"])
+    assert plan.sites[0].outcome == "bound", str(plan)
+    with torch.no_grad():
+        out = model(q, slot=2.0, run=1.0)
+    assert sum(plan.routed.values()) == 1
+    torch.testing.assert_close(out, reference)
+    detach(plan)

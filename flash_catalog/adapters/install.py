@@ -25,7 +25,7 @@ from .swap import Attached, state_of, swap_refusal
 def framed_forward(module: nn.Module, host: type, *args: Any, **kwargs: Any) -> Any:
     """The forward of a routed attention site module: the host's forward inside the module's frame."""
     slot = state_of(module)
-    return slot.router.framed(slot, lambda: host.forward(module, *args, **kwargs))
+    return slot.router.framed(slot, host.forward, module, *args, **kwargs)
 
 
 class Installation:

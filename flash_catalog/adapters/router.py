@@ -50,6 +50,11 @@ class CallSignature:
     defaults: tuple[tuple[str, Any], ...]
     host_only: tuple[str, ...] = ()
     parallel: bool = False  # it takes diffusers' `parallel_config`
+    names: frozenset[str] = field(init=False)
+    """Every argument the function takes, by name."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "names", frozenset(self.positional) | {name for name, _ in self.defaults})
 
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         if len(args) > len(self.positional):
@@ -148,9 +153,8 @@ def _bound(sig: CallSignature, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
         return None, f"inputs are {q.dim()}-D, not 4-D"
     if mask is not None and not isinstance(mask, torch.Tensor):
         return None, "attn_mask is not a tensor"
-    extra = set(a) - set(sig.positional) - {name for name, _ in sig.defaults}
-    if extra:
-        return None, f"unknown arguments {sorted(extra)}"
+    if not sig.names.issuperset(a):
+        return None, f"unknown arguments {sorted(set(a) - sig.names)}"
     return a, ""
 
 
@@ -167,13 +171,13 @@ def host_only_reason(sig: CallSignature, a: dict[str, Any], served: tuple[str, .
     return None
 
 
-def _key_of(sig: CallSignature, a: dict[str, Any]) -> StaticKey | None:
+def _key_of(sig: CallSignature, a: dict[str, Any], traced: bool | None = None) -> StaticKey | None:
     """The static key of well-formed arguments by name, or None when only the host may serve them (reads metadata
-    only: safe to trace)."""
+    only: safe to trace; `traced`: whether dynamo traces this call, None to ask)."""
     if host_only_reason(sig, a) is not None:
         return None
     return StaticKey.of(sig.layout, a["query"], a["key"], a["value"], a["attn_mask"], a["is_causal"], a["scale"],
-                        a["enable_gqa"], a.get("return_lse", False))
+                        a["enable_gqa"], a.get("return_lse", False), traced)
 
 
 def _unmet(key: StaticKey | None, known: set[StaticKey]) -> str:
@@ -189,13 +193,14 @@ def _unmet(key: StaticKey | None, known: set[StaticKey]) -> str:
             f"saved receipt keeps the shapes already decided)")
 
 
-def find_route(table: dict[StaticKey, Route], key: StaticKey) -> Route | None:
+def find_route(table: dict[StaticKey, Route], key: StaticKey, traced: bool | None = None) -> Route | None:
     """The route bound at `key`. Traced, by comparing with each bound key rather than hashing: a hash reads every
     size, so dynamo would specialise each new resolution's graph (and hit its recompile limit), where comparisons
     guard only on the sizes being, or not being, the bound ones: one graph serves every resolution not bound.
     Compared as plain tuples: torch 2.11's dynamo evaluates a NamedTuple's == item by item as constants, which
-    specialises each size (a guard that it equals this call's)."""
-    if not torch.compiler.is_compiling():
+    specialises each size (a guard that it equals this call's). `traced`: whether dynamo traces this call, None
+    to ask."""
+    if not (torch.compiler.is_compiling() if traced is None else traced):
         return table.get(key)
     for bound, route in table.items():
         if tuple(bound._replace(aligned=None)) == tuple(key):  # alignment is not traced: the op's body checks it
@@ -269,12 +274,16 @@ class AttentionRouter:
     def stack(self) -> list[Frame]:
         """The open frames of the calling thread: threads calling one model at once keep their own sites and
         ordinals. Traced code has one list (dynamo replays its pushes and pops; they cancel within a call)."""
-        if torch.compiler.is_compiling():
+        return self._stack(torch.compiler.is_compiling())
+
+    def _stack(self, traced: bool) -> list[Frame]:
+        if traced:
             return self._traced
-        frames = getattr(self._threads, "frames", None)
-        if frames is None:
+        try:
+            return self._threads.frames
+        except AttributeError:
             frames = self._threads.frames = []
-        return frames
+            return frames
 
     def _count(self, counter: Counter[str], site: str) -> None:
         with self._counting:
@@ -289,15 +298,19 @@ class AttentionRouter:
         if stack:
             stack.pop()
 
-    def framed(self, slot: SiteSlot | None, run: Callable[[], Any]) -> Any:
-        """`run()` inside the site's frame (no frame when the slot is not this router's)."""
+    def framed(self, slot: SiteSlot | None, run: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """`run(*args, **kwargs)` inside the site's frame (no frame when the slot is not this router's); the
+        arguments are passed on, not closed over (this runs at every call of a routed site), and may have any
+        names."""
         if slot is None or slot.router is not self or self.mode is Mode.OFF:
-            return run()
-        self.enter(slot)
+            return run(*args, **kwargs)
+        stack = self.stack
+        stack.append(Frame(slot))
         try:
-            return run()
+            return run(*args, **kwargs)
         finally:
-            self.leave()
+            if stack:
+                stack.pop()
 
     # -- the replacement for the host's attention function -----------------------------------------------------
     def replacement(self, original: Callable[..., torch.Tensor], sig: CallSignature) -> Callable[..., Any]:
@@ -312,7 +325,7 @@ class AttentionRouter:
         from .swap import state_of
 
         def framed_attention(module: Any, *args: Any, **kwargs: Any) -> Any:
-            return self.framed(state_of(module), lambda: original(module, *args, **kwargs))
+            return self.framed(state_of(module), original, module, *args, **kwargs)
 
         framed_attention.__wrapped__ = original  # type: ignore[attr-defined]
         return framed_attention
@@ -361,7 +374,8 @@ class AttentionRouter:
 
     def dispatch(self, original: Callable[..., torch.Tensor], sig: CallSignature,
                  args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        stack = self.stack
+        traced = torch.compiler.is_compiling()
+        stack = self._stack(traced)
         frame = stack[-1] if stack else None
         if frame is None or frame.busy or self.mode is Mode.OFF:
             return original(*args, **kwargs)
@@ -379,29 +393,34 @@ class AttentionRouter:
                 call, problem = canonical(sig, args, kwargs, self.masks)
                 return self.capture(MetCall(frame.slot, ordinal, call, problem, original, args, kwargs,
                                             self.rehearsal(original, sig, args, kwargs)))
-            return self._route(frame.slot, ordinal, original, sig, args, kwargs)
+            return self._route(frame.slot, ordinal, original, sig, args, kwargs, traced)
         finally:
             frame.busy = False
 
     def _route(self, slot: SiteSlot, ordinal: int, original: Callable[..., torch.Tensor], sig: CallSignature,
-               args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+               args: tuple[Any, ...], kwargs: dict[str, Any], traced: bool | None = None) -> Any:
+        """A call at a bound site: its route where its static key has one, else the host. `traced`: whether dynamo
+        traces this call (None: ask)."""
+        traced = torch.compiler.is_compiling() if traced is None else traced
         a, _ = _bound(sig, args, kwargs)
-        key = _key_of(sig, a) if a is not None else None
-        route = find_route(slot.routes[ordinal], key) if key is not None and ordinal < len(slot.routes) else None
+        key = _key_of(sig, a, traced) if a is not None else None
+        route = (find_route(slot.routes[ordinal], key, traced) if key is not None and ordinal < len(slot.routes)
+                 else None)
         if route is None:
-            if not torch.compiler.is_compiling():
+            if not traced:
                 self._fallback(slot, ordinal, key)
             return original(*args, **kwargs)
-        return self._serve(route, slot, ordinal, original, a, args, kwargs)
+        return self._serve(route, slot, ordinal, original, a, args, kwargs, traced=traced)
 
     def _serve(self, route: Route, slot: SiteSlot | None, ordinal: int, original: Callable[..., torch.Tensor],
-               a: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any], remember: bool = True) -> Any:
+               a: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any], remember: bool = True,
+               traced: bool | None = None) -> Any:
         """A call whose static key has a route: its mask checked, then the route (or the host where the check
         fails). Eager calls run the route directly; traced ones see one opaque op. `slot` None: a rehearsal,
         counted nowhere; `remember` False: the mask is read at every call, as for a host that builds a new one.
         `a`: the call's arguments by name."""
         mask = a["attn_mask"]
-        compiling = torch.compiler.is_compiling()
+        compiling = torch.compiler.is_compiling() if traced is None else traced
         if compiling or mask is None or capturing(mask):
             choice = 0 if mask is None else CHECK_INSIDE  # traced or captured: the op checks on the device
         else:

@@ -35,13 +35,17 @@ class StaticKey(NamedTuple):
 
     @classmethod
     def of(cls, layout: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-           is_causal: bool, scale: float | None, enable_gqa: bool, return_lse: bool = False) -> StaticKey:
-        """The key of a call's tensors as the host passed them (its own layout): metadata only, safe to trace."""
+           is_causal: bool, scale: float | None, enable_gqa: bool, return_lse: bool = False,
+           traced: bool | None = None) -> StaticKey:
+        """The key of a call's tensors as the host passed them (its own layout): metadata only, safe to trace.
+        `traced`: whether dynamo traces this call (None: ask); traced, the alignment is left to the op's body."""
+        if traced is None:
+            traced = torch.compiler.is_compiling()
         return cls(layout, tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, q.device,
                    tuple(mask.shape) if mask is not None else None, mask.dtype if mask is not None else None,
                    bool(is_causal), scale, bool(enable_gqa), bool(return_lse),
                    (q.stride(), k.stride(), v.stride()),
-                   None if torch.compiler.is_compiling() else alignment(q, k, v))
+                   None if traced else (q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0))
 
 
 def alignment(*tensors: torch.Tensor) -> tuple[bool, ...]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Callable
 
 import torch
 from torch.nn.attention import SDPBackend
@@ -40,22 +39,31 @@ _SWITCHES = tuple(
 Python at every call."""
 
 
-def pinned(backend: SDPBackend, run: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """`run()` with only `backend` enabled, the switches restored after (`sdpa_kernel([backend])`, cheaper)."""
-    prior = [get() for get, _, _ in _SWITCHES]
+_GETS = tuple(get for get, _, _ in _SWITCHES)
+_PUTS = tuple(put for _, put, _ in _SWITCHES)
+
+
+def pin(backend: SDPBackend) -> list[bool]:
+    """Enable only `backend` (what `sdpa_kernel([backend])` does, without its context manager's Python at every
+    call); returns the switches as they were, for `unpin`."""
+    prior = [get() for get in _GETS]
     for _, put, member in _SWITCHES:
         put(member is backend)
-    try:
-        return run()
-    finally:
-        for (_, put, _), on in zip(_SWITCHES, prior):
-            put(on)
+    return prior
+
+
+def unpin(prior: list[bool]) -> None:
+    for put, on in zip(_PUTS, prior):
+        put(on)
 
 
 def run_sdpa(backend: SDPBackend, drop_mask: bool, call: AttentionCall) -> torch.Tensor:
-    return pinned(backend, lambda: _SDPA(call.query, call.key, call.value,
-                                         attn_mask=None if drop_mask else call.attn_mask, dropout_p=0.0,
-                                         is_causal=call.is_causal, scale=call.scale, enable_gqa=call.enable_gqa))
+    prior = pin(backend)
+    try:
+        return _SDPA(call.query, call.key, call.value, attn_mask=None if drop_mask else call.attn_mask,
+                     dropout_p=0.0, is_causal=call.is_causal, scale=call.scale, enable_gqa=call.enable_gqa)
+    finally:
+        unpin(prior)
 
 
 def run_sdpa_lse(backend: SDPBackend, drop_mask: bool, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:

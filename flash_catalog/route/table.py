@@ -60,6 +60,13 @@ class Route:
     alternatives: tuple[Alternative, ...]
     out_order: tuple[int, ...]
     lse: bool = False  # key.return_lse as a plain attribute: traced code reading `key` would guard on its identity
+    out_shape: tuple[int, ...] = field(init=False, repr=False)
+    out_strides: tuple[int, ...] = field(init=False, repr=False)
+    """The output's shape at the route's key, and the strides `empty_output` gives it: computed once, not per call."""
+
+    def __post_init__(self) -> None:
+        self.out_shape = (*self.key.q[:-1], self.key.v[-1])
+        self.out_strides = dense_strides(self.out_shape, self.out_order)
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attn_mask: torch.Tensor | None, choice: int) -> Output:
@@ -120,7 +127,7 @@ class Route:
         """`out` with exactly the strides `empty_output` promises (a copy only where the layout differs)."""
         if isinstance(out, tuple):
             return self._laid_out(out[0]), out[1].to(torch.float32).contiguous()
-        want = dense_strides(out.shape, self.out_order)
+        want = self.out_strides if out.shape == self.out_shape else dense_strides(out.shape, self.out_order)
         if out.stride() == want:
             return out
         if all(s == w for s, w, n in zip(out.stride(), want, out.shape) if n > 1):
