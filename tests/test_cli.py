@@ -265,6 +265,7 @@ def test_plan_html_is_one_self_contained_page(capsys, receipt, tmp_path):
     plan = Plan.load(receipt)
     assert page.rows == sum(len(s.shapes) for s in plan.sites) == 9
     assert page.step == plan.step.describe() == "step: not checked (min_speedup=0 binds every form that qualifies)"
+    assert text.count(plan.step.describe()) == 1  # in its section, not again in the summary
     assert page.links == [] and "http" not in text
     assert f"<code>{plan.environment['torch']}</code>" in text and "int8_rowwise" in text
     assert text.count('class="bar bound"') == 6  # a speedup bar per measured shape

@@ -177,13 +177,14 @@ class Plan:
         site = self.site(name)
         return "\n".join(text.explain(site, self.step, self.routed.get(name, 0), self.fallbacks.get(name, 0)))
 
-    def summary(self) -> list[str]:
-        """What the table's footer says, one entry each: the counts, the step check, the receipt reused, memory,
-        where the attach's time went and the parallel run (unwrapped: `print(plan)` wraps them)."""
+    def summary(self, with_step: bool = True) -> list[str]:
+        """What the table's footer says, one entry each: the counts, the step check (unless `with_step` is False:
+        the HTML report gives it a section of its own), the receipt reused, memory, where the attach's time went
+        and the parallel run (unwrapped: `print(plan)` wraps them)."""
         counts = ", ".join(f"{n} {o}" for o, n in self.counts().items() if n)
         state = "detached" if self.detached else "attached"
         footer = [f"{len(self.sites)} sites: {counts or 'none'} ({state})"]
-        if self.step is not None:
+        if self.step is not None and with_step:
             footer.append(self.step.describe())
         if self.receipt is not None:
             r = self.receipt

@@ -37,7 +37,8 @@ def render(plan: Plan) -> str:
     body = [f"<h1>{_e(title)}</h1>"]
     if plan.source:
         body.append(f"<p>receipt <code>{_e(plan.source)}</code></p>")
-    body.append("<ul id=\"summary\">" + "".join(f"<li>{_e(line)}</li>" for line in plan.summary()) + "</ul>")
+    summary = plan.summary(with_step=False)  # the step check has a section of its own
+    body.append("<ul id=\"summary\">" + "".join(f"<li>{_e(line)}</li>" for line in summary) + "</ul>")
     body += _step(plan) + _sites(plan)
     body += ["<h2>Environment</h2>", _pairs(plan.environment), "<h2>Options</h2>",
              _pairs({**plan.options.to_dict(), "adapter": plan.adapter})]
