@@ -4,10 +4,11 @@ The module makes `--sites` SDPA calls per forward at a tiny shape (B1 H2 S16 D8,
 kernels cost next to nothing and the difference is the router's: frame, key lookup, mask check, routing, the form's
 own Python. Rows: every site bound to `sdpa_dense` by force (`min_speedup=0`), without a mask and with an all-pass
 additive mask passed again at every call (verified once), and every site declined (the host's path through the
-router). Each figure is the median of `--reps` forwards after warm-up, attached, then the host after detach; the
-overhead is (attached - host) / sites.
+router). The host is timed before the attach and after the detach (half of `--reps` each, no patch in place), the
+attached model in between, each after `--warmup` untimed forwards; each figure is the median, and the overhead is
+(attached - host) / sites.
 
-    python tools/bench_routed_call.py [--sites 200] [--reps 30] [--device cpu] [--json routed_call.json]
+    python tools/bench_routed_call.py [--sites 200] [--reps 30] [--warmup 10] [--device cpu] [--json routed_call.json]
 """
 
 from __future__ import annotations
@@ -56,10 +57,17 @@ def forward_s(model: nn.Module, inputs: tuple, device: torch.device) -> float:
     return time.perf_counter() - started
 
 
+def timed(model: nn.Module, inputs: tuple, device: torch.device, warmup: int, reps: int) -> list[float]:
+    for _ in range(warmup):
+        forward_s(model, inputs, device)
+    return [forward_s(model, inputs, device) for _ in range(reps)]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sites", type=int, default=200)
     p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
@@ -71,19 +79,15 @@ def main(argv: list[str] | None = None) -> int:
     for name, inputs, options in (("bound, no mask", (q,), {"min_speedup": 0}),
                                   ("bound, all-pass mask", (q, mask), {"min_speedup": 0}),
                                   ("declined", (q,), {"min_speedup": 1e9})):
+        host_s = timed(model, inputs, device, args.warmup, args.reps // 2)
         plan = attach(model, inputs, attention_forms=["sdpa_dense"], timing_rounds=1, **options)
         outcomes = {s.outcome for s in plan.sites}
-        host_s, attached_s = [], []
-        for _ in range(3):
-            forward_s(model, inputs, device)
-        for _ in range(args.reps):
-            attached_s.append(forward_s(model, inputs, device))
+        attached_s = timed(model, inputs, device, args.warmup, args.reps)
         detach(plan)
-        for _ in range(args.reps):
-            host_s.append(forward_s(model, inputs, device))
-        host, attached = statistics.median(host_s), statistics.median(attached_s)
-        rows.append({"case": name, "outcomes": sorted(outcomes), "host_ms": host * 1e3, "attached_ms": attached * 1e3,
-                     "overhead_us": (attached - host) / args.sites * 1e6})
+        host_s += timed(model, inputs, device, args.warmup, args.reps - args.reps // 2)
+        host_ms, attached_ms = statistics.median(host_s) * 1e3, statistics.median(attached_s) * 1e3
+        rows.append({"case": name, "outcomes": sorted(outcomes), "host_ms": host_ms, "attached_ms": attached_ms,
+                     "overhead_us": (attached_ms - host_ms) / args.sites * 1e3})
     print(f"{args.sites} sites on {device}, torch {torch.__version__}: median forward, host vs attached")
     print(f"{'case':24} {'outcome':10} {'host ms':>9} {'attached ms':>12} {'overhead/call':>14}")
     for r in rows:
