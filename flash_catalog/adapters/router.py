@@ -161,9 +161,10 @@ def _bound(sig: CallSignature, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
 def host_only_reason(sig: CallSignature, a: dict[str, Any], served: tuple[str, ...] = ()) -> str | None:
     """Why only the host may serve these (well-formed) arguments, or None (`served`: host-only arguments that the
     caller handles)."""
-    set_args = sorted(name for name in sig.host_only if a.get(name) and name not in served)
-    if set_args:
-        return f"the host passes {', '.join(set_args)}"
+    if sig.host_only:
+        set_args = sorted(name for name in sig.host_only if a.get(name) and name not in served)
+        if set_args:
+            return f"the host passes {', '.join(set_args)}"
     if a["dropout_p"]:
         return f"dropout_p={float(a['dropout_p'])}"
     if a["query"].requires_grad or a["key"].requires_grad or a["value"].requires_grad:

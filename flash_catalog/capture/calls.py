@@ -41,11 +41,12 @@ class StaticKey(NamedTuple):
         `traced`: whether dynamo traces this call (None: ask); traced, the alignment is left to the op's body."""
         if traced is None:
             traced = torch.compiler.is_compiling()
-        return cls(layout, tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, q.device,
-                   tuple(mask.shape) if mask is not None else None, mask.dtype if mask is not None else None,
-                   bool(is_causal), scale, bool(enable_gqa), bool(return_lse),
-                   (q.stride(), k.stride(), v.stride()),
-                   None if traced else (q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0))
+        fields = (layout, tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, q.device,
+                  tuple(mask.shape) if mask is not None else None, mask.dtype if mask is not None else None,
+                  bool(is_causal), scale, bool(enable_gqa), bool(return_lse),
+                  (q.stride(), k.stride(), v.stride()),
+                  None if traced else (q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0))
+        return cls(*fields) if traced else tuple.__new__(cls, fields)  # eager: `_make` without its frames
 
 
 def alignment(*tensors: torch.Tensor) -> tuple[bool, ...]:
