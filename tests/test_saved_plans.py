@@ -63,8 +63,18 @@ def test_a_receipt_reads_back_as_the_plan_it_saved(tmp_path):
     loaded = Plan.load(path)
     assert loaded.sites == plan.sites and loaded.environment == plan.environment and loaded.options == plan.options
     assert loaded.timings == plan.timings and loaded.source == str(path)
-    assert loaded.detached
+    assert loaded.detached and loaded.adapter == plan.adapter == data["adapter"] == "diffusers"
     detach(loaded)  # holds no model: nothing to do
+
+    data["options"]["adapter"] = data.pop("adapter")  # as receipts were written before `adapter` was a field
+    older = tmp_path / "older.json"
+    older.write_text(json.dumps(data))
+    assert Plan.load(older).adapter == "diffusers" and Plan.load(older).options == plan.options
+    data["options"]["min_speedup"] = "fast"
+    older.write_text(json.dumps(data))
+    with pytest.raises(ReceiptError, match=r"field 'options.min_speedup' is not a value of this option: "
+                                           r"min_speedup='fast' is a str"):
+        Plan.load(older)
 
 
 @pytest.mark.parametrize("edit,message", [

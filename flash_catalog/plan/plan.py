@@ -78,7 +78,7 @@ class Plan:
                     raise json_fields.FieldError(key, f"is unknown; expected only {', '.join(_RECEIPT_FIELDS)}")
             json_fields.read(dict[str, str] | None, read["environment"].get("specs"), "environment.specs")
             sites = [SiteRecord.from_dict(s, f"sites[{i}]") for i, s in enumerate(read["sites"])]
-            options = dict(read["options"])
+            options = dict(read["options"])  # receipts written before `adapter` was a field held it among these
             adapter = json_fields.read(str | None, data.get("adapter", options.pop("adapter", None)), "adapter")
             options = _options(options)
         except json_fields.FieldError as exc:
