@@ -47,6 +47,12 @@ class QuantizedModule(nn.Module):
         if x.dtype != self.dtype:
             raise ValueError(f"input dtype {x.dtype} differs from this module's {self.dtype}; no implicit cast")
 
+    def describe_ffn(self, up: tuple[int, ...], down: tuple[int, ...], numerics: str) -> str:
+        """A feed-forward replacement's `extra_repr` from its weights' (out, in) shapes: dim -> inner (activation)
+        -> dim_out, then its numerics."""
+        (n1, k1), (n2, k2) = up, down
+        return f"{k1} -> {n1} ({self.activation}) -> {k2} -> {n2}, {numerics}"
+
     def hold(self, dtype: torch.dtype, activation: str | None, **buffers: torch.Tensor) -> None:
         """Record the module's dtype and activation (checked against ACTIVATIONS) and register its buffers."""
         if activation is not None and activation not in ACTIVATIONS:

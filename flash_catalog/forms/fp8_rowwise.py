@@ -37,9 +37,7 @@ class QuantizedUpFeedForward(QuantizedModule):
         self.hold(dtype, activation, w1_q=w1, w1_scale=s1, b1=b1, w2=w2, b2=b2)
 
     def extra_repr(self) -> str:
-        n1, k1 = self.w1_q.shape
-        n2, k2 = self.w2.shape
-        return f"{k1} -> {n1} ({self.activation}) -> {k2} -> {n2}, up fp8 e4m3 rowwise, down {str(self.dtype)[6:]}"
+        return self.describe_ffn(self.w1_q.shape, self.w2.shape, f"up fp8 e4m3 rowwise, down {str(self.dtype)[6:]}")
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         del args, kwargs  # the host ignores them too (a deprecated `scale`)

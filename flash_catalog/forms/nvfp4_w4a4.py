@@ -37,8 +37,8 @@ class NvFp4FeedForward(QuantizedModule):
         return NvFp4Tensor(*(getattr(self, f"{prefix}_{p}") for p in _PARTS), shape=self._shapes[prefix])
 
     def extra_repr(self) -> str:
-        (n1, k1), (n2, k2) = self._shapes["w1"], self._shapes["w2"]
-        return f"{k1} -> {n1} ({self.activation}) -> {k2} -> {n2}, nvfp4 w4a4 (emulated), {str(self.dtype)[6:]} out"
+        return self.describe_ffn(self._shapes["w1"], self._shapes["w2"],
+                                 f"nvfp4 w4a4 (emulated), {str(self.dtype)[6:]} out")
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         del args, kwargs  # the host ignores them too (a deprecated `scale`)

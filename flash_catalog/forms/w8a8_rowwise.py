@@ -45,9 +45,7 @@ class QuantizedFeedForward(QuantizedModule):
         self.scheme = scheme
 
     def extra_repr(self) -> str:
-        n1, k1 = self.w1_q.shape
-        n2, k2 = self.w2_q.shape
-        return f"{k1} -> {n1} ({self.activation}) -> {k2} -> {n2}, {self.scheme.label}, {str(self.dtype)[6:]} out"
+        return self.describe_ffn(self.w1_q.shape, self.w2_q.shape, f"{self.scheme.label}, {str(self.dtype)[6:]} out")
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         del args, kwargs  # the host ignores them too (a deprecated `scale`)
