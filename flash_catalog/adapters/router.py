@@ -52,14 +52,16 @@ class CallSignature:
     parallel: bool = False  # it takes diffusers' `parallel_config`
     names: frozenset[str] = field(init=False)
     """Every argument the function takes, by name."""
+    _defaults: dict[str, Any] = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "names", frozenset(self.positional) | {name for name, _ in self.defaults})
+        object.__setattr__(self, "_defaults", dict(self.defaults))
 
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         if len(args) > len(self.positional):
             raise TypeError(f"{len(args)} positional arguments, at most {len(self.positional)} expected")
-        bound = dict(self.defaults)
+        bound = self._defaults.copy()
         bound.update(zip(self.positional, args))
         bound.update(kwargs)
         return bound
@@ -106,9 +108,11 @@ class SiteSlot:
     path: str
     routes: list[dict[StaticKey, Route]] = field(default_factory=list)
     known: list[set[StaticKey]] = field(default_factory=list)
+    sites: list[str] = field(default_factory=list)  # per ordinal, the site's name (`path#ordinal`), made once
 
     def table(self, ordinal: int) -> dict[StaticKey, Route]:
         while len(self.routes) <= ordinal:
+            self.sites.append(f"{self.path}#{len(self.routes)}")
             self.routes.append({})
             self.known.append(set())
         return self.routes[ordinal]
@@ -433,7 +437,7 @@ class AttentionRouter:
         if compiling:
             return route(a["query"], a["key"], a["value"], mask, choice)
         if slot is not None:
-            self._count(self.routed, f"{slot.path}#{ordinal}")
+            self._count(self.routed, slot.sites[ordinal])
         return route.serve(a["query"], a["key"], a["value"], mask, choice)
 
     def rehearsal(self, original: Callable[..., torch.Tensor], sig: CallSignature, args: tuple[Any, ...],
