@@ -108,11 +108,13 @@ class SiteSlot:
     path: str
     routes: list[dict[StaticKey, Route]] = field(default_factory=list)
     known: list[set[StaticKey]] = field(default_factory=list)
-    sites: list[str] = field(default_factory=list)  # per ordinal, the site's name (`path#ordinal`), made once
+
+    def site(self, ordinal: int) -> str:
+        """The name of the site at call `ordinal` of this module: `path#ordinal`."""
+        return f"{self.path}#{ordinal}"
 
     def table(self, ordinal: int) -> dict[StaticKey, Route]:
         while len(self.routes) <= ordinal:
-            self.sites.append(f"{self.path}#{len(self.routes)}")
             self.routes.append({})
             self.known.append(set())
         return self.routes[ordinal]
@@ -249,7 +251,7 @@ class MetCall:
 
     @property
     def site(self) -> str:
-        return f"{self.slot.path}#{self.ordinal}"
+        return self.slot.site(self.ordinal)
 
     def host(self) -> torch.Tensor:
         """The call on the host's own path."""
@@ -437,7 +439,7 @@ class AttentionRouter:
         if compiling:
             return route(a["query"], a["key"], a["value"], mask, choice)
         if slot is not None:
-            self._count(self.routed, slot.sites[ordinal])
+            self._count(self.routed, slot.site(ordinal))
         return route.serve(a["query"], a["key"], a["value"], mask, choice)
 
     def rehearsal(self, original: Callable[..., torch.Tensor], sig: CallSignature, args: tuple[Any, ...],
@@ -465,7 +467,7 @@ class AttentionRouter:
         known = slot.known[ordinal] if ordinal < len(slot.known) else set()
         if why is None and key is not None and key in known:
             return  # a shape calibration decided for the host: not a fallback
-        site = f"{slot.path}#{ordinal}"
+        site = slot.site(ordinal)
         if not self.fallbacks[site]:
             why = why or _unmet(key, known)
             log.warning("%s runs the host: %s", site, why)
