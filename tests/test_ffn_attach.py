@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from diffusers.models.attention import FeedForward
 
@@ -154,10 +155,32 @@ def test_whitelisted_projections_are_quantized_sites():
 def test_the_projection_profile_names_its_patterns():
     host = build("ltx", dtype=torch.bfloat16)
     plan = attach(host.model, host.inputs(), profile="fp8_balance_proj", min_speedup=0)
-    assert plan.options.projections == ("*attn*.to_q", "*attn*.to_k", "*attn*.to_v", "*attn*.to_out.0")
+    assert plan.options.projections[:4] == ("*attn*.to_q", "*attn*.to_k", "*attn*.to_v", "*attn*.to_out.0")
     bound = {s.name for s in plan.sites if s.kind == "ffn" and s.outcome == "bound"}
     assert {"transformer_blocks.0.attn2.to_k", "transformer_blocks.1.ff"} <= bound
     detach(plan)
+
+
+@pytest.mark.parametrize("profile", ["fp8_balance_proj", "int8_balance_sage"])
+def test_the_projection_profiles_reach_the_text_stream_and_flux_single_stream_linears(profile):
+    """A joint block's text-stream projections and a Flux single block's MLP linears are sites of the profiles
+    that quantize projections; forced binds match the host, detach restores it exactly."""
+    host = build("flux", dtype=torch.bfloat16)
+    inputs = host.inputs()
+    with torch.no_grad():
+        reference = host.model(**inputs)
+    before = {k: v.clone() for k, v in host.model.state_dict().items()}
+    plan = attach(host.model, inputs, profile=profile, min_speedup=0)
+    bound = {s.name for s in plan.sites if s.kind == "ffn" and s.outcome == "bound"}
+    assert {"transformer_blocks.0.attn.add_q_proj", "transformer_blocks.0.attn.to_add_out",
+            "single_transformer_blocks.0.proj_mlp", "single_transformer_blocks.0.proj_out"} <= bound, str(plan)
+    with torch.no_grad():
+        attached = host.model(**inputs)
+    assert F.cosine_similarity(attached[0].float().flatten(), reference[0].float().flatten(), dim=0) > 0.99
+    detach(plan)
+    with torch.no_grad():
+        assert torch.equal(host.model(**inputs)[0], reference[0])
+    assert all(torch.equal(v, before[k]) for k, v in host.model.state_dict().items())
 
 
 def test_alike_ffn_sites_share_one_timing_and_each_gates_its_own_accuracy(monkeypatch):

@@ -5,6 +5,7 @@ they call, checked by torch.library.opcheck and against their fake implementatio
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import Iterator
 
 import pytest
@@ -24,7 +25,8 @@ from flash_catalog.forms.int8_rowwise import Int8RowwiseFfn  # noqa: E402
 from flash_catalog.forms.nvfp4_w4a4 import NvFp4Ffn  # noqa: E402
 from flash_catalog.kernels.fp8_rowwise import quantize_weight_fp8  # noqa: E402
 from flash_catalog.kernels.int8_gemm import quantize_weight_int8  # noqa: E402
-from flash_catalog.kernels.linear_ops import nvfp4_linear, w8a8_linear  # noqa: E402
+from flash_catalog.kernels.int8_gemm import quantize_rows_int8_torch  # noqa: E402
+from flash_catalog.kernels.linear_ops import int8_matmul, nvfp4_linear, w8a8_linear  # noqa: E402
 from flash_catalog.kernels.nvfp4 import quantize_nvfp4  # noqa: E402
 from flash_catalog.catalog.specs import load_spec  # noqa: E402
 
@@ -32,6 +34,8 @@ FORMS = {"fp8_rowwise": Fp8RowwiseFfn, "int8_rowwise": Int8RowwiseFfn, "fp8_roww
          "nvfp4_w4a4": NvFp4Ffn}
 SITES = [(name, "ffn") for name in FORMS] + [("fp8_rowwise", "linear"), ("int8_rowwise", "linear")]
 WEIGHT_QUANTISERS = {"fp8": quantize_weight_fp8, "int8": quantize_weight_int8}
+GEMM_IN_GRAPH = {"fp8_rowwise": "torch._scaled_mm", "fp8_rowwise_up": "torch._scaled_mm",
+                 "int8_rowwise": "flash_catalog.int8_matmul", "nvfp4_w4a4": "flash_catalog.nvfp4_linear"}
 
 
 def form(name: str):
@@ -87,8 +91,7 @@ def test_alike_replacements_share_one_graph_without_breaks(name, kind):
     assert not counters["graph_break"]
     assert all(torch.equal(o, e) for o, e in zip(outs, eager))
     assert not torch.equal(eager[0], eager[1])
-    op = "flash_catalog.nvfp4_linear" if name == "nvfp4_w4a4" else "flash_catalog.w8a8_linear"
-    assert op in cnt.graphs[0].code
+    assert GEMM_IN_GRAPH[name] in cnt.graphs[0].code
 
 
 @pytest.mark.parametrize("name", ["fp8_rowwise", "nvfp4_w4a4"])
@@ -141,6 +144,15 @@ def w8a8_args(scheme: str, bias: bool, activation: str | None, x: torch.Tensor |
     return x, w_q, w_scale, b, scheme, activation, torch.bfloat16
 
 
+def int8_matmul_args(bias: bool, x: torch.Tensor | None = None) -> tuple:
+    torch.manual_seed(5)
+    w_q, w_scale = quantize_weight_int8(torch.randn(32, 48))
+    x = torch.randn(6, 48, dtype=torch.bfloat16) if x is None else x
+    codes, scale = quantize_rows_int8_torch(x.reshape(-1, 48))
+    b = torch.randn(32, dtype=torch.bfloat16) if bias else None
+    return codes, scale, w_q, w_scale, b, torch.bfloat16
+
+
 def nvfp4_args(bias: bool, x: torch.Tensor | None = None) -> tuple:
     torch.manual_seed(4)
     w = quantize_nvfp4(torch.randn(32, 48))
@@ -164,10 +176,9 @@ def opcheck_without_fp8_schema(op, args: tuple) -> None:
     torch.library.opcheck(op, args, test_utils=tests)
 
 
-@pytest.mark.parametrize("scheme", ["fp8", "int8"])
-@pytest.mark.parametrize("bias,activation", [(True, None), (False, "gelu_tanh")])
-def test_w8a8_op_passes_opcheck(scheme, bias, activation):
-    opcheck_without_fp8_schema(w8a8_linear, w8a8_args(scheme, bias, activation))
+@pytest.mark.parametrize("bias", [True, False])
+def test_int8_matmul_op_passes_opcheck(bias):
+    opcheck_without_fp8_schema(int8_matmul, int8_matmul_args(bias))
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -175,8 +186,7 @@ def test_nvfp4_op_passes_opcheck(bias):
     opcheck_without_fp8_schema(nvfp4_linear, nvfp4_args(bias))
 
 
-@pytest.mark.parametrize("make", [lambda x: (w8a8_linear, w8a8_args("fp8", True, "silu", x)),
-                                  lambda x: (w8a8_linear, w8a8_args("int8", False, None, x)),
+@pytest.mark.parametrize("make", [lambda x: (int8_matmul, int8_matmul_args(False, x)),
                                   lambda x: (nvfp4_linear, nvfp4_args(True, x))])
 def test_fake_outputs_have_the_real_shape_dtype_and_strides(make):
     """A strided (transposed) input and one with no rows: the fake's output meta is the real output's."""
@@ -189,7 +199,7 @@ def test_fake_outputs_have_the_real_shape_dtype_and_strides(make):
         assert real.is_contiguous()
 
 
-def test_the_w8a8_op_names_the_schemes_it_takes():
+def test_w8a8_linear_names_the_schemes_it_takes():
     args = w8a8_args("int8", True, None)
     with pytest.raises(ValueError, match="scheme is 'int4'; allowed: 'fp8', 'int8'"):
         w8a8_linear(*args[:4], "int4", *args[5:])
@@ -214,3 +224,65 @@ def test_cuda_inductor_shares_one_graph_without_breaks(name, kind):
     assert cnt.frame_count == 1 and counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
     for o, e in zip(outs, eager):
         torch.testing.assert_close(o, e, rtol=1.6e-2, atol=1e-2)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The row quantiser in the compiled graph
+# --------------------------------------------------------------------------------------------------------------------
+
+class ModulatedProjections(nn.Module):
+    """A DiT block's front: LayerNorm, then shift and scale, feeding two quantized projections."""
+
+    def __init__(self, projections: list[nn.Module]) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(64, elementwise_affine=False)
+        self.projections = nn.ModuleList(projections)
+
+    def forward(self, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h = self.norm(x) * (1 + scale) + shift
+        return tuple(p(h) for p in self.projections)
+
+
+@pytest.mark.parametrize("name,gemm", [("int8_rowwise", "torch.ops.flash_catalog.int8_matmul.default"),
+                                       ("fp8_rowwise", "extern_kernels._scaled_mm")])
+def test_inductor_fuses_the_row_quantiser_into_the_op_before_it(name, gemm):
+    """Compiled, the activations' row quantisation (absmax, scale, rounding) is generated in the same kernel as the
+    LayerNorm and modulation before it; only the GEMMs run outside inductor's kernels; the result stays close to
+    eager (inductor's LayerNorm rounds its own way, as it does for the host)."""
+    from torch._inductor.utils import run_and_get_code
+
+    block = ModulatedProjections(replacements(name, "linear")).eval()
+    x, shift, scale = (torch.randn(*s, dtype=torch.bfloat16) for s in ((2, 5, 64), (64,), (64,)))
+    fresh_counter("inductor")
+    with torch.no_grad(), uncached_inductor():
+        eager = block(x, shift, scale)
+        compiled, (code,) = run_and_get_code(torch.compile(block, fullgraph=True), x, shift, scale)
+    kernels = set(re.findall(r"\b(cpp_fused_\w+|triton_\w+) = ", code))
+    fused = [k for k in kernels if "native_layer_norm" in k and "amax" in k]
+    assert fused, sorted(kernels)
+    assert code.count(f"{gemm}(") == 2 and not counters["graph_break"]
+    for c, e in zip(compiled, eager):
+        torch.testing.assert_close(c, e, rtol=1.6e-2, atol=5e-2)
+
+
+def test_eager_calls_run_the_kernels_without_op_dispatch():
+    """Eager, a quantized module calls its kernels directly: no flash_catalog op passes the dispatcher."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(2, 5, 64, dtype=torch.bfloat16)
+    for name, kind in SITES:
+        if name == "nvfp4_w4a4":
+            continue
+        mod = replacements(name, kind)[0]
+        with torch.no_grad(), Ops() as ops:
+            mod(x)
+        assert ops.seen and not [op for op in ops.seen if op.startswith("flash_catalog")], (name, kind, ops.seen)

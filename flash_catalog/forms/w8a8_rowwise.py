@@ -3,8 +3,8 @@ builds them. Weights are quantized once when the form adopts the host (per outpu
 every call, with the host's pointwise GELU / GELU-tanh / SiLU fused into the row quantiser. The gated activations
 (GEGLU, SwiGLU) and ApproximateGELU run the host's own torch expressions in the input dtype.
 
-The quantized linears run as the custom op `flash_catalog::w8a8_linear` (kernels/linear_ops.py), which
-torch.compile traces without a graph break; forward reads, besides its buffers, only what is the same for every
+The quantized linears run through `w8a8_linear` (kernels/linear_ops.py): the fused kernels eager; traced, the row
+quantiser as torch ops that inductor fuses into the op before it, then the GEMM, with no graph break. Forward reads, besides its buffers, only what is the same for every
 module of one architecture (dtype, activation, scheme, fusion), so alike modules share one compiled graph.
 """
 
@@ -25,7 +25,7 @@ from .ffn_host import FUSED_ACTIVATIONS, adopt_layout, copied_bias, ffn_rule, ho
 @dataclass(frozen=True)
 class Scheme:
     """How a quantized module stores a weight and runs a linear: codes and per-output-channel scales from
-    `quantize_weight(w)`; the linear is the op `flash_catalog::w8a8_linear` with `name` as its scheme, x
+    `quantize_weight(w)`; the linear is `linear_ops.w8a8_linear` with `name` as its scheme, x
     quantized per row (a pointwise activation applied to x first, fused into the row quantiser)."""
 
     label: str

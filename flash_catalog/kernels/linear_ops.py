@@ -1,28 +1,32 @@
-"""The quantized linears as torch custom ops, so that torch.compile traces the forms' modules without a graph break.
+"""The quantized linears the feed-forward forms call, eager and under torch.compile.
 
-Dynamo cannot trace a Triton launch (nor is it asked to trace the quantisers' torch paths, whose bits a compiler
-could change): each op runs the same eager code as the functions it wraps, and its fake implementation gives the
-output's shape, dtype and strides (a fresh row-major (..., N) tensor, as every path returns). Weights are tensor
-arguments, so modules of one architecture with different weights share one compiled graph.
-
-* `flash_catalog::w8a8_linear(x, w_q, w_scale, bias, scheme, activation, out_dtype)`: `scheme` "fp8"
-  (`fp8_linear`: e4m3 rows, `torch._scaled_mm`) or "int8" (`int8_linear`: INT8 rows, the Triton GEMM or the
-  torch path); `activation` None, "gelu", "gelu_tanh" or "silu", applied to x before its row quantisation.
+* `w8a8_linear(x, w_q, w_scale, bias, scheme, activation, out_dtype)`: `activation(x) @ W.T + bias` with x
+  quantized per row by `scheme`, "fp8" (e4m3 rows, `torch._scaled_mm`) or "int8" (INT8 rows, the Triton GEMM with
+  the dequantisation in its epilogue); `activation` None, "gelu", "gelu_tanh" or "silu", applied to x first.
+  Eager, the scheme's fused kernels run directly (no op dispatch). Traced, the row quantiser is torch expressions
+  that inductor fuses into the op before it (a norm, a modulation, an activation; the same quantisation of one
+  input, as Q, K and V projections have, is computed once), and the GEMM is `torch._scaled_mm` (FP8) or the op
+  `flash_catalog::int8_matmul` (INT8, opaque: Dynamo cannot trace a Triton launch). The torch quantisers give the
+  Triton kernels' bits; inductor's own code for them may round a division differently now and then.
 * `flash_catalog::nvfp4_linear(x, w_codes, w_block_scale, w_global_scale, bias, out_dtype)`: the exact NVFP4
-  emulation (`nvfp4.nvfp4_linear`) of a weight (N, K) given by its packed codes (N, K // 2).
+  emulation (`nvfp4.nvfp4_linear`) of a weight (N, K) given by its packed codes (N, K // 2), one opaque op.
+
+Weights are tensor arguments, so modules of one architecture with different weights share one compiled graph. Each
+op's fake implementation gives a fresh row-major (..., N) output, as every path returns.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .fp8_rowwise import fp8_linear
+from .fp8_rowwise import fp8_linear, fp8_matmul, quantize_rows_fp8_torch
 from .nvfp4 import NvFp4Tensor
 from .nvfp4 import nvfp4_linear as nvfp4_emulated
+from .rows import over_rows
 
 W8A8_SCHEMES = ("fp8", "int8")
 
-__all__ = ["w8a8_linear", "nvfp4_linear", "W8A8_SCHEMES"]
+__all__ = ["w8a8_linear", "int8_matmul", "nvfp4_linear", "W8A8_SCHEMES"]
 
 
 def _rows_out(x: torch.Tensor, n: int, out_dtype: torch.dtype) -> torch.Tensor:
@@ -30,24 +34,49 @@ def _rows_out(x: torch.Tensor, n: int, out_dtype: torch.dtype) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], n), dtype=out_dtype)
 
 
-@torch.library.custom_op("flash_catalog::w8a8_linear", mutates_args=())
 def w8a8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, scheme: str,
                 activation: str | None, out_dtype: torch.dtype) -> torch.Tensor:
     """`activation(x) @ W.T + bias`, x quantized per row by `scheme`; w_q, w_scale from that scheme's weight
-    quantiser. The INT8 kernels need triton, so they are imported only when that scheme runs."""
+    quantiser. Eager: the fused kernels; traced: the quantiser as torch ops before the GEMM (module docstring)."""
+    if scheme not in W8A8_SCHEMES:
+        raise ValueError(f"scheme is {scheme!r}; allowed: {', '.join(map(repr, W8A8_SCHEMES))}")
+    if torch.compiler.is_compiling():
+        return _traceable(x, w_q, w_scale, bias, scheme, activation, out_dtype)
     if scheme == "fp8":
         return fp8_linear(x, w_q, w_scale, bias, out_dtype, activation)
-    if scheme == "int8":
-        from .int8_gemm import int8_linear
+    from .int8_gemm import int8_linear  # the INT8 kernels need triton: imported where that scheme runs
 
-        return int8_linear(x, w_q, w_scale, bias, out_dtype, activation)
-    raise ValueError(f"scheme is {scheme!r}; allowed: {', '.join(map(repr, W8A8_SCHEMES))}")
+    return int8_linear(x, w_q, w_scale, bias, out_dtype, activation)
 
 
-@w8a8_linear.register_fake
-def _(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, scheme: str,
-      activation: str | None, out_dtype: torch.dtype) -> torch.Tensor:
-    return _rows_out(x, w_q.shape[0], out_dtype)
+def _traceable(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, scheme: str,
+               activation: str | None, out_dtype: torch.dtype) -> torch.Tensor:
+    def product(x2: torch.Tensor) -> torch.Tensor:
+        if scheme == "fp8":
+            codes, scale = quantize_rows_fp8_torch(x2, activation)
+            return fp8_matmul(codes, scale, w_q, w_scale, bias, out_dtype)
+        from .int8_gemm import quantize_rows_int8_torch
+
+        codes, scale = quantize_rows_int8_torch(x2, None, activation)
+        return int8_matmul(codes, scale, w_q, w_scale, bias, out_dtype)
+
+    return over_rows(x, w_q.shape[1], w_q.shape[0], out_dtype, product)
+
+
+@torch.library.custom_op("flash_catalog::int8_matmul", mutates_args=())
+def int8_matmul(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """`(a @ w.T exact in int32) * a_scale * w_scale + bias` (`int8_gemm.int8_matmul`): a (M, K) int8 row codes,
+    a_scale (M, 1) fp32, w (N, K) int8, w_scale (N,) fp32."""
+    from .int8_gemm import int8_matmul as int8_matmul_kernel
+
+    return int8_matmul_kernel(a, a_scale, w, w_scale, bias, out_dtype)
+
+
+@int8_matmul.register_fake
+def _(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+      out_dtype: torch.dtype) -> torch.Tensor:
+    return _rows_out(a, w.shape[0], out_dtype)
 
 
 @torch.library.custom_op("flash_catalog::nvfp4_linear", mutates_args=())
