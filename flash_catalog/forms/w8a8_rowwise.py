@@ -4,8 +4,9 @@ every call, with the host's pointwise GELU / GELU-tanh / SiLU fused into the row
 (GEGLU, SwiGLU) and ApproximateGELU run the host's own torch expressions in the input dtype.
 
 The quantized linears run through `w8a8_linear` (kernels/linear_ops.py): the fused kernels eager; traced, the row
-quantiser as torch ops that inductor fuses into the op before it, then the GEMM, with no graph break. Forward reads, besides its buffers, only what is the same for every
-module of one architecture (dtype, activation, scheme, fusion), so alike modules share one compiled graph.
+quantiser as torch ops that inductor fuses into the op before it, then the GEMM, with no graph break. Forward
+reads, besides its buffers, only what is the same for every module of one architecture (dtype, activation, scheme,
+fusion), so alike modules share one compiled graph.
 """
 
 from __future__ import annotations
