@@ -235,3 +235,28 @@ def test_flex_bound_then_compiled_serves_the_first_compiled_call(device, backend
         torch.testing.assert_close(first, attached, rtol=2e-2, atol=2e-2)
     assert sum(plan.fallbacks.values()) == 0
     detach(plan)
+
+
+def test_a_model_compiled_before_attach_has_its_feed_forward_sites_gated_compiled():
+    """Compiled first, attached after: each feed-forward decision runs and times the host's forward and the form's
+    module through inductor (the record says "compiled"; private graphs, not the model's); the model's own blocks
+    then run the form compiled, close to the host; detach gives the compiled host back bit for bit and the state
+    dict untouched. The same host attached uncompiled is gated eager."""
+    host = build("flux", dtype=torch.bfloat16)
+    inputs = host.inputs()
+    state = {k: v.clone() for k, v in host.model.state_dict().items()}
+    plan = attach(host.model, inputs, ffn_forms=["int8_rowwise"], projections=["*attn*.to_q"], min_speedup=0)
+    assert [r.shape.endswith(" compiled") for s in plan.sites if s.kind == "ffn" for r in s.shapes] == [False] * 4
+    detach(plan)
+    host.model.compile_repeated_blocks(fullgraph=True)
+    reference = run(host.model, inputs)
+    before = graphs()
+    plan = attach(host.model, inputs, ffn_forms=["int8_rowwise"], projections=["*attn*.to_q"], min_speedup=0)
+    records = [(s.name, r) for s in plan.sites if s.kind == "ffn" for r in s.shapes]
+    assert len(records) == 4 and all(r.outcome == "bound" and r.shape.endswith(" compiled") for _, r in records)
+    assert graphs() - before >= 2  # the gate's own graphs: a host and a form per timing key
+    attached = run(host.model, inputs)
+    assert torch.nn.functional.cosine_similarity(attached.float().flatten(), reference.float().flatten(), dim=0) > 0.999
+    detach(plan)
+    assert torch.equal(run(host.model, inputs), reference)
+    assert all(torch.equal(v, state[k]) for k, v in host.model.state_dict().items())

@@ -220,3 +220,21 @@ def test_a_ring_steps_accuracy_weighs_its_output_by_its_log_sum_exp():
     assert same.cosine == pytest.approx(1.0) and same.max_rel_err == 0.0
     shifted = measure_accuracy((out, lse + 0.1), (out, lse))
     assert shifted.max_rel_err == pytest.approx(math.exp(0.1) - 1, rel=1e-5)
+
+
+@pytest.mark.gpu
+def test_the_device_timer_hides_the_host_s_launch_cost_and_the_event_timer_does_not():
+    """A call that spends 0.3 ms of host time before one tiny kernel: the event timer measures the host's time, the
+    device timer (for compiled code) only the kernel's."""
+    from flash_catalog.decide.gate import _cuda_timer, device_timer
+
+    x = torch.ones(1024, device="cuda")
+
+    def slow_launch() -> None:
+        end = time.perf_counter() + 3e-4
+        while time.perf_counter() < end:
+            pass
+        x.add_(1)
+
+    assert _cuda_timer(slow_launch, 20) > 2.5e-4
+    assert device_timer(slow_launch, 20) < 5e-5

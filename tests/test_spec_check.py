@@ -181,8 +181,12 @@ def edited_files(folder: Path):
             key = re.match(r"^(\w+) = ", line)
             if key is None:
                 continue
+            end = i + 1  # a multi-line array's continuation lines go with it
+            if line.split("=", 1)[1].strip().startswith("[") and not line.rstrip().endswith("]"):
+                while not lines[end - 1].rstrip().endswith("]"):
+                    end += 1
             for literal in LITERALS:
-                edited = lines[:i] + [f"{key.group(1)} = {literal}"] + lines[i + 1:]
+                edited = lines[:i] + [f"{key.group(1)} = {literal}"] + lines[end:]
                 target = folder / source.parent.name / source.name
                 target.parent.mkdir(exist_ok=True)
                 target.write_text("\n".join(edited) + "\n")

@@ -158,6 +158,11 @@ class FfnSite:
         for name, device in self._homes.items():
             tensors[name].data = tensors[name].data.to(device)
 
+    @property
+    def offloaded(self) -> bool:
+        """True while the host's weights wait in (pinned) CPU memory for the form."""
+        return bool(self._homes)
+
     def host_forward(self, *args: Any, **kwargs: Any) -> Any:
         """The host's own forward; offloaded weights are brought to their device for this call only."""
         host = self._state.host.forward

@@ -20,6 +20,7 @@ from ..plan import receipts
 from ..adapters.ffn import FfnKey, FfnSite, ffn_key
 from ..adapters.router import MetCall, SiteSlot
 from ..route.table import Alternative, RouteTable, unlisted_route
+from .compiled_calls import compiled_call
 from .calls import AttentionCall, Output, ShapeKey, StaticKey, dims, dtype_name
 from ..decide.decide import AttachClock, Built, Contender, Decision, GateOptions, TimingCache, Trial, decide
 from ..forms.base import AttentionForm, Runner
@@ -178,15 +179,18 @@ class Calibration:
             records[key].calls += 1
             return site.replacement(x) if key in site.keys else site.host_forward(x)
         site.known.add(key)
-        record = records[key] = ShapeRecord(describe_input(x), 1, "host", key=ffn_key_fields(site.module, key))
+        compiled = self.stance.compiled and not site.offloaded  # offloaded weights: the host's eager path brings them
+        shown = describe_input(x) + (" compiled" if compiled else "")
+        record = records[key] = ShapeRecord(shown, 1, "host", key=ffn_key_fields(site.module, key))
         if not self.ffn_forms:
             record.reason = receipts.NO_FORMS.format(family="ffn")
             return site.host_forward(x)
         forms = [f for f in self.ffn_forms if site.form is None or f.name == site.form]  # one module per site
         built: dict[str, nn.Module] = {}
-        contenders = [self._ffn_contender(form, site, x, key, built) for form in forms]
-        decision = self._decide(site.path, record, f"x={dims(x.shape)}", x.device, lambda: site.host_forward(x),
-                                contenders)
+        contenders = [self._ffn_contender(form, site, x, key, built, compiled) for form in forms]
+        host = compiled_call(site.host_forward, x) if compiled else functools.partial(site.host_forward, x)
+        decision = self._decide(site.path, record, f"x={dims(x.shape)}{', compiled' if compiled else ''}", x.device,
+                                host, contenders, compiled)
         if decision.winner is not None:
             module = decision.winner.built.product
             if site.replacement is None:
@@ -197,28 +201,30 @@ class Calibration:
         return decision.host_out
 
     def _ffn_contender(self, form: FfnForm, site: FfnSite, x: torch.Tensor, key: FfnKey,
-                       built: dict[str, nn.Module]) -> Contender:
+                       built: dict[str, nn.Module], compiled: bool) -> Contender:
+        """A feed-forward form at one input; `compiled`: run and timed through torch.compile, as it will run."""
         rule = tensor_rule(form.spec.envelope, x) or form.rule(site.module, x)
 
         def build() -> Built:
             module = site.replacement if site.form == form.name else built.get(form.name)
             if module is None:
                 module = built[form.name] = form.build(site.module)
-            return Built(lambda: module(x), module)
+            return Built(compiled_call(module, x) if compiled else functools.partial(module, x), module)
 
-        return Contender(form.spec, rule, build, ffn_timing_key(form.name, site.module, key))
+        timing_key = ffn_timing_key(form.name, site.module, key) + (("compiled",) if compiled else ())
+        return Contender(form.spec, rule, build, timing_key)
 
     # -- both ------------------------------------------------------------------------------------------------
     def _decide(self, site: str, record: ShapeRecord, shape: str, device: torch.device,
-                host: Callable[[], torch.Tensor], contenders: list[Contender]) -> Decision:
+                host: Callable[[], torch.Tensor], contenders: list[Contender], compiled: bool = False) -> Decision:
         self.current = site
         self.progress.meet(site, shape)
         offer = self.saved.offer(site, record.key, contenders) if self.saved is not None else None
         if offer is not None:
             offer.seed(self.timings)
         with self.stance.forms():
-            decision = decide(Trial(site, shape, device, host), contenders, self.options, self.timings, self.clock,
-                              record)
+            decision = decide(Trial(site, shape, device, host, compiled), contenders, self.options, self.timings,
+                              self.clock, record)
         if offer is not None:
             used = [c for c in contenders if c.name in record.timings]
             record.basis, record.basis_reason = offer.basis(

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
+from torch import nn
+
+from .compiled_calls import user_compiled
 
 
 def current_stance() -> Any:
@@ -24,13 +27,15 @@ def current_stance() -> Any:
 
 @dataclass(frozen=True)
 class CalibrationStance:
-    """The user's stance when attach began (`user`), and the two scopes of a calibration."""
+    """The user's stance when attach began (`user`), whether the model runs compiled in it (`compiled`: its
+    feed-forward sites are then gated compiled, capture/compiled_calls.py), and the two scopes of a calibration."""
 
     user: Any
+    compiled: bool = False
 
     @classmethod
-    def now(cls) -> CalibrationStance:
-        return cls(current_stance())
+    def of(cls, model: nn.Module) -> CalibrationStance:
+        return cls(current_stance(), user_compiled(model))
 
     @contextlib.contextmanager
     def host(self) -> Iterator[None]:

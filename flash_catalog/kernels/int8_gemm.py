@@ -77,13 +77,11 @@ __all__ = ["quantize_rows_int8", "quantize_rows_int8_torch", "quantize_weight_in
 
 
 def default_config(m: int, n: int, k: int) -> dict:
-    """The configuration `int8_matmul` runs when given none: 128x256x128 tiles, 8 warps, 3 stages, TMA-fed when K
-    allows TMA (rows of 16-byte multiples); 128x128x128 tiles with 4 warps when 128x256 ones would not fill 132 SMs.
-    A starting point, not a measurement: time `CONFIGS` on the target (tools/bench_gemm_int8.py --sweep)."""
-    tma = k % 16 == 0
-    if triton.cdiv(m, 128) * triton.cdiv(n, 256) < 132:
-        return _config(128, 128, 128, 4, 3, tma=tma, persistent=False)
-    return _config(128, 256, 128, 8, 3, tma=tma, persistent=False)
+    """The configuration `int8_matmul` runs when given none: 128x128x128 tiles, 4 warps, 3 stages, pointer loads.
+    The fastest of `CONFIGS` at every Flux and LTX-2 shape swept on an H200 (BENCHMARKS.md, "INT8 GEMM tiles"); TMA
+    feeding was within 2% on the GPU and costs ~40 us more of host time per launch (its descriptors)."""
+    del m, n, k  # one configuration serves every shape measured
+    return _config(128, 128, 128, 4, 3, tma=False, persistent=False)
 
 
 # --------------------------------------------------------------------------------------------------------------------

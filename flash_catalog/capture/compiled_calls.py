@@ -1,0 +1,40 @@
+"""Feed-forward calls gated as a compiled model runs them.
+
+Where the user compiled the model before attach (`user_compiled`), a bound feed-forward site runs compiled: its
+linears quantise their rows in torch ops that inductor fuses (kernels/linear_ops.py), not in the eager kernels. So
+the gate times both sides of such a site compiled, the host's forward and the form's module, each through
+`torch.compile(fullgraph=True)` (inductor) at the site's input shape, and gates the accuracy of the compiled form
+against the compiled host. Each call compiles into a code object of its own: dynamo's per-code recompile limit is
+never reached, and the user's compiled graphs are not touched; the private graphs go with the attach.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Callable
+
+import torch
+from torch import nn
+
+
+def user_compiled(model: nn.Module) -> bool:
+    """True when a module of the model was compiled (`torch.compile(module)`, `module.compile()`, diffusers'
+    `compile_repeated_blocks`) and the stance in force runs compiled code."""
+    stance = getattr(getattr(torch._dynamo, "eval_frame", None), "_stance", None)
+    if stance is not None and stance.stance == "force_eager":
+        return False
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return any(isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
+               for m in model.modules())
+
+
+def _call(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    return fn(x)
+
+
+def compiled_call(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """`fn(x)` compiled (fullgraph, static shapes) in a code object of its own; compiled at its first call."""
+    private = types.FunctionType(_call.__code__.replace(), _call.__globals__, _call.__name__)
+    compiled = torch.compile(private, fullgraph=True, dynamic=False)
+    return lambda: compiled(fn, x)
