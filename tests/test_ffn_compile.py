@@ -248,7 +248,7 @@ class ModulatedProjections(nn.Module):
         return tuple(p(h) for p in self.projections)
 
 
-@pytest.mark.parametrize("name,gemm", [("int8_rowwise", "torch.ops.flash_catalog.int8_matmul.default"),
+@pytest.mark.parametrize("name,gemm", [("int8_rowwise", "extern_kernels._int_mm"),
                                        ("fp8_rowwise", "extern_kernels._scaled_mm")])
 def test_inductor_fuses_the_row_quantiser_into_the_op_before_it(name, gemm):
     """Compiled, the activations' row quantisation (absmax, scale, rounding) is generated in the same kernel as the

@@ -73,7 +73,8 @@ CONFIGS: tuple[dict, ...] = (
 _CONFIG_KEYS = frozenset(CONFIGS[0])
 
 __all__ = ["quantize_rows_int8", "quantize_rows_int8_torch", "quantize_weight_int8", "int8_matmul",
-           "int8_matmul_torch", "int8_linear", "default_config", "triton_serves", "CONFIGS", "MAX_FUSED_ROW", "MAX_K"]
+           "int8_matmul_traceable", "int8_matmul_torch", "int8_linear", "default_config", "triton_serves", "CONFIGS",
+           "MAX_FUSED_ROW", "MAX_K"]
 
 
 def default_config(m: int, n: int, k: int) -> dict:
@@ -452,6 +453,28 @@ def int8_matmul(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
         if blocker and config is not None and config.get("tma"):
             raise ValueError(f"config asks for tma=True but {blocker}; use tma=False")
         cfg["tma"] = blocker is None
+    return _launch(_int8_matmul_kernel, a, a_scale, w, w_scale, bias, out_dtype, cfg, enable_fp_fusion=False)
+
+
+def int8_matmul_traceable(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                          bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """`int8_matmul` at `default_config` (pointer loads), its kernel launched through `torch.library.wrap_triton`:
+    the body of the op `flash_catalog::int8_matmul`, so that inductor launches the kernel from its own code, at a
+    fraction of a Python launch's host time. wrap_triton passes no `enable_fp_fusion`, so the epilogue may contract
+    a multiply-add and round an ulp apart from `int8_matmul`. CPU tensors: `int8_matmul_torch`."""
+    _check_matmul(a, a_scale, w, w_scale, bias, out_dtype)
+    (m, k), n = a.shape, w.shape[0]
+    if a.device.type != "cuda" or m == 0 or n == 0 or k == 0:
+        return int8_matmul_torch(a, a_scale, w, w_scale, bias, out_dtype)
+    from torch.library import wrap_triton
+
+    return _launch(wrap_triton(_int8_matmul_kernel), a, a_scale, w, w_scale, bias, out_dtype, default_config(m, n, k))
+
+
+def _launch(kernel, a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+            bias: torch.Tensor | None, out_dtype: torch.dtype, cfg: dict, **options) -> torch.Tensor:
+    """One launch of the GEMM kernel (`kernel`: it, or it wrapped for tracing) at a resolved configuration."""
+    (m, k), n = a.shape, w.shape[0]
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if cfg["tma"]:
@@ -461,12 +484,12 @@ def int8_matmul(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
         a_arg, w_arg = a, w
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     grid = (min(tiles, _program_budget(a.device)) if cfg["persistent"] else tiles,)
-    _int8_matmul_kernel[grid](
+    kernel[grid](
         a_arg, a_scale, w_arg, w_scale, w_scale if bias is None else bias, out, m, n, k,
         a.stride(0), w.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, USE_TMA=cfg["tma"], PERSISTENT=cfg["persistent"],
         INTERPRETED=interpreted(_int8_matmul_kernel), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], enable_fp_fusion=False)
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **options)
     return out
 
 

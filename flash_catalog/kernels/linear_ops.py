@@ -4,10 +4,11 @@
   quantized per row by `scheme`, "fp8" (e4m3 rows, `torch._scaled_mm`) or "int8" (INT8 rows, the Triton GEMM with
   the dequantisation in its epilogue); `activation` None, "gelu", "gelu_tanh" or "silu", applied to x first.
   Eager, the scheme's fused kernels run directly (no op dispatch). Traced, the row quantiser is torch expressions
-  that inductor fuses into the op before it (a norm, a modulation, an activation; the same quantisation of one
-  input, as Q, K and V projections have, is computed once), and the GEMM is `torch._scaled_mm` (FP8) or the op
-  `flash_catalog::int8_matmul` (INT8, opaque: Dynamo cannot trace a Triton launch). The torch quantisers give the
-  Triton kernels' bits; inductor's own code for them may round a division differently now and then.
+  that inductor fuses into the op before it (a norm, a modulation, an activation), and the GEMM is
+  `torch._scaled_mm` (FP8) or the op `flash_catalog::int8_matmul` (INT8: a `torch.library.triton_op`, whose Triton
+  kernel inductor launches from its own code, without a Python launch's host time; an opaque custom op on a torch
+  without `triton_op`). The torch quantisers give the Triton kernels' bits; inductor's own code for them may round
+  a division differently now and then.
 * `flash_catalog::nvfp4_linear(x, w_codes, w_block_scale, w_global_scale, bias, out_dtype)`: the exact NVFP4
   emulation (`nvfp4.nvfp4_linear`) of a weight (N, K) given by its packed codes (N, K // 2), one opaque op.
 
@@ -63,20 +64,25 @@ def _traceable(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: 
     return over_rows(x, w_q.shape[1], w_q.shape[0], out_dtype, product)
 
 
-@torch.library.custom_op("flash_catalog::int8_matmul", mutates_args=())
+_GEMM_OP = getattr(torch.library, "triton_op", None) or torch.library.custom_op  # triton_op: torch >= 2.6
+
+
+@_GEMM_OP("flash_catalog::int8_matmul", mutates_args=())
 def int8_matmul(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                 bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    """`(a @ w.T exact in int32) * a_scale * w_scale + bias` (`int8_gemm.int8_matmul`): a (M, K) int8 row codes,
-    a_scale (M, 1) fp32, w (N, K) int8, w_scale (N,) fp32."""
-    from .int8_gemm import int8_matmul as int8_matmul_kernel
+    """`(a @ w.T exact in int32) * a_scale * w_scale + bias` (`int8_gemm.int8_matmul_traceable`): a (M, K) int8 row
+    codes, a_scale (M, 1) fp32, w (N, K) int8, w_scale (N,) fp32. A `triton_op`: inductor sees its Triton kernel and
+    launches it itself; its fake is the body run on fake tensors."""
+    from .int8_gemm import int8_matmul_traceable
 
-    return int8_matmul_kernel(a, a_scale, w, w_scale, bias, out_dtype)
+    return int8_matmul_traceable(a, a_scale, w, w_scale, bias, out_dtype)
 
 
-@int8_matmul.register_fake
-def _(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-      out_dtype: torch.dtype) -> torch.Tensor:
-    return _rows_out(a, w.shape[0], out_dtype)
+if not hasattr(torch.library, "triton_op"):  # a custom op needs its fake; a triton_op runs its body on fakes
+    @int8_matmul.register_fake
+    def _(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+          out_dtype: torch.dtype) -> torch.Tensor:
+        return _rows_out(a, w.shape[0], out_dtype)
 
 
 @torch.library.custom_op("flash_catalog::nvfp4_linear", mutates_args=())
