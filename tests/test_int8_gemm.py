@@ -105,10 +105,11 @@ def test_matmul_padded_rows_and_empty_shapes():
 def test_default_config_and_configs_fit_sm90():
     for cfg in CONFIGS:
         assert cfg["num_stages"] * (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] <= 227 * 1024
-    for shape in ((24576, 16384, 4096), (4608, 3072, 3072), (64, 64, 40)):
+    for shape in ((24576, 16384, 4096), (4608, 3072, 3072)):
         cfg = default_config(*shape)
-        assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"], cfg["tma"]) == (128, 128, 128, 4, False)
+        assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"], cfg["tma"]) == (128, 128, 128, 4, True)
         assert cfg in CONFIGS
+    assert not default_config(64, 64, 40)["tma"]
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -78,11 +78,11 @@ __all__ = ["quantize_rows_int8", "quantize_rows_int8_torch", "quantize_weight_in
 
 
 def default_config(m: int, n: int, k: int) -> dict:
-    """The configuration `int8_matmul` runs when given none: 128x128x128 tiles, 4 warps, 3 stages, pointer loads.
-    The fastest of `CONFIGS` at every Flux and LTX-2 shape swept on an H200 (BENCHMARKS.md, "INT8 GEMM tiles"); TMA
-    feeding was within 2% on the GPU and costs ~40 us more of host time per launch (its descriptors)."""
-    del m, n, k  # one configuration serves every shape measured
-    return _config(128, 128, 128, 4, 3, tma=False, persistent=False)
+    """The configuration `int8_matmul` runs when given none: 128x128x128 tiles, 4 warps, 3 stages, TMA-fed where K
+    allows it (rows of 16-byte multiples). The fastest of `CONFIGS` at every Flux and LTX-2 feed-forward and
+    projection shape swept on an H200 (BENCHMARKS.md, "INT8 GEMM tiles"); pointer loads were 0-9% slower there."""
+    del m, n  # one configuration serves every shape measured
+    return _config(128, 128, 128, 4, 3, tma=k % 16 == 0, persistent=False)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -458,17 +458,19 @@ def int8_matmul(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
 
 def int8_matmul_traceable(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                           bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    """`int8_matmul` at `default_config` (pointer loads), its kernel launched through `torch.library.wrap_triton`:
-    the body of the op `flash_catalog::int8_matmul`, so that inductor launches the kernel from its own code, at a
-    fraction of a Python launch's host time. wrap_triton passes no `enable_fp_fusion`, so the epilogue may contract
-    a multiply-add and round an ulp apart from `int8_matmul`. CPU tensors: `int8_matmul_torch`."""
+    """`int8_matmul` at `default_config`'s tiles with pointer loads (no host-side TMA descriptors), its kernel
+    launched through `torch.library.wrap_triton`: the body of the op `flash_catalog::int8_matmul`, so that inductor
+    launches the kernel from its own code, at a fraction of a Python launch's host time. wrap_triton passes no
+    `enable_fp_fusion`, so the epilogue may contract a multiply-add and round an ulp apart from `int8_matmul`. CPU
+    tensors: `int8_matmul_torch`."""
     _check_matmul(a, a_scale, w, w_scale, bias, out_dtype)
     (m, k), n = a.shape, w.shape[0]
     if a.device.type != "cuda" or m == 0 or n == 0 or k == 0:
         return int8_matmul_torch(a, a_scale, w, w_scale, bias, out_dtype)
     from torch.library import wrap_triton
 
-    return _launch(wrap_triton(_int8_matmul_kernel), a, a_scale, w, w_scale, bias, out_dtype, default_config(m, n, k))
+    cfg = {**default_config(m, n, k), "tma": False}
+    return _launch(wrap_triton(_int8_matmul_kernel), a, a_scale, w, w_scale, bias, out_dtype, cfg)
 
 
 def _launch(kernel, a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
