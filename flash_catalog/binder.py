@@ -192,8 +192,8 @@ class Job:
         """The decisions of this attach, taken as the calibration call meets each (site, shape)."""
         total = None if self.adapter.discovered else len(self.modules) + len(self.ffn_modules)
         return Calibration(self.forms, self.ffn_forms, self.gate, RouteTable(), self.staging, Progress(total),
-                           CalibrationStance.of(self.host),  # the host runs eager during calibration, the forms
-                           MaskReuse.of(self.example), self.saved)  # in this stance
+                           CalibrationStance.of(self.host, self.options.gate_compiled),  # the host runs eager
+                           MaskReuse.of(self.example), self.saved)  # during calibration, the forms in this stance
 
     def step_check(self) -> tuple[StepCheck | None, str]:
         """The step check of this attach, or None and why not."""

@@ -23,15 +23,17 @@ class AttachOptions:
     `timing_rounds` override the specs' gate. `allow_emulation` lets forms with an emulated path run it where their
     native path cannot (nvfp4_w4a4, nvfp4_attention below Blackwell): for accuracy studies, as the emulations are
     slower than the host. `keep_host_on_device` keeps a bound feed-forward site's host weights on the device.
-    `step_check` (on unless `min_speedup=0`) times the whole example call, host before attaching and attached after,
-    and drops bindings, smallest gain first, until the attached call is surely faster (`plan.step`); it costs five
-    example calls on each side, and more for each drop. `catalog` replaces the shipped catalog. `trust_remote_code`
-    opts in to running code from the Hugging Face Hub for `[hub]` specs: True (any repo) or a list of repo ids;
-    without it a hub spec is refused (local builds need no opt-in). `plan` (a saved receipt's path, or a `Plan`)
-    reuses its decisions where its environment (device, torch, triton, flash_catalog), the form's spec and the
-    site's shape match: those shapes are decided from its timings with no timing run (a form it timed not faster is
-    not run; one that passed is run once, for its accuracy floor). The options are this call's, not the receipt's;
-    each shape record says what was reused and what was re-decided.
+    `gate_compiled` times the feed-forward sites compiled, as a compiled model runs them (docs/compile.md): None
+    (the default) where the model was compiled before attach, True for a model you will compile after attach,
+    False to gate them eager (a shorter attach). `step_check` (on unless `min_speedup=0`) times the whole example
+    call, host before attaching and attached after, and drops bindings, smallest gain first, until the attached call
+    is surely faster (`plan.step`); it costs five example calls on each side, and more for each drop. `catalog`
+    replaces the shipped catalog. `trust_remote_code` opts in to running code from the Hugging Face Hub for `[hub]`
+    specs: True (any repo) or a list of repo ids; without it a hub spec is refused (local builds need no opt-in).
+    `plan` (a saved receipt's path, or a `Plan`) reuses its decisions where its environment (device, torch, triton,
+    flash_catalog), the form's spec and the site's shape match: those shapes are decided from its timings with no
+    timing run (a form it timed not faster is not run; one that passed is run once, for its accuracy floor). The
+    options are this call's, not the receipt's; each shape record says what was reused and what was re-decided.
 
     Made, the record holds the profile's selection where no explicit list was given, every list as a tuple
     (`ffn_forms` and `projections` are `()` by default), and `trust_remote_code` as True, False or a tuple of repo
@@ -50,6 +52,7 @@ class AttachOptions:
     allow_emulation: bool = False
     keep_host_on_device: bool = False
     step_check: bool = True
+    gate_compiled: bool | None = None
     catalog: Catalog | None = None
     trust_remote_code: bool | Sequence[str] = False
     plan: str | Path | object | None = None  # a saved receipt's path, or a Plan (not imported: plan/ records this)
@@ -128,6 +131,9 @@ def _check_ranges(options: AttachOptions) -> None:
                             + (f" (write {name}={float(value)})" if _numeric_text(value) else ""))
         if not (value >= lo and (hi is None or value <= hi)):  # NaN fails both
             raise ValueError(f"{name}={value!r} is out of range; expected a number {span}")
+    if options.gate_compiled is not None and not isinstance(options.gate_compiled, bool):
+        raise TypeError(f"gate_compiled={options.gate_compiled!r}; expected None (when the model was compiled before "
+                        f"attach), True or False")
     rounds = options.timing_rounds
     if rounds is not None and (isinstance(rounds, bool) or not isinstance(rounds, int)):
         raise TypeError(f"timing_rounds={rounds!r} is a {type(rounds).__name__}; expected a positive integer")

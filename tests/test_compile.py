@@ -260,3 +260,24 @@ def test_a_model_compiled_before_attach_has_its_feed_forward_sites_gated_compile
     detach(plan)
     assert torch.equal(run(host.model, inputs), reference)
     assert all(torch.equal(v, state[k]) for k, v in host.model.state_dict().items())
+
+
+def test_gate_compiled_overrides_whether_the_model_was_compiled_first():
+    """`gate_compiled=True` gates an uncompiled model's feed-forward sites compiled (for a model compiled after
+    attach), `False` gates a compiled one's eager; anything else is refused naming the option."""
+    host = build("flux", dtype=torch.bfloat16)
+    inputs = host.inputs()
+    options = dict(ffn_forms=["int8_rowwise"], projections=["*attn*.to_q"], min_speedup=0)
+
+    def compiled_records(plan) -> list[bool]:
+        return [r.shape.endswith(" compiled") for s in plan.sites if s.kind == "ffn" for r in s.shapes]
+
+    plan = attach(host.model, inputs, gate_compiled=True, **options)
+    assert compiled_records(plan) == [True] * 4 and plan.options.gate_compiled is True
+    detach(plan)
+    host.model.compile_repeated_blocks(fullgraph=True)
+    plan = attach(host.model, inputs, gate_compiled=False, **options)
+    assert compiled_records(plan) == [False] * 4
+    detach(plan)
+    with pytest.raises(TypeError, match="gate_compiled='yes'; expected None"):
+        attach(host.model, inputs, gate_compiled="yes", **options)

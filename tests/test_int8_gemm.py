@@ -107,7 +107,8 @@ def test_default_config_and_configs_fit_sm90():
         assert cfg["num_stages"] * (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] <= 227 * 1024
     for shape in ((24576, 16384, 4096), (4608, 3072, 3072)):
         cfg = default_config(*shape)
-        assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"], cfg["tma"]) == (128, 128, 128, 4, True)
+        tiles = (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"], cfg["tma"])
+        assert tiles == (128, 128, 128, 4, True)
         assert cfg in CONFIGS
     assert not default_config(64, 64, 40)["tma"]
 

@@ -32,7 +32,9 @@ generator on the device, at noise level 0.5: timestep 500 on the 1000 scale, as 
 Rows, side by side in one process: `host_eager`; `host_compiled` (diffusers' `compile_repeated_blocks(fullgraph=True)`;
 its first call is the compile, reported as seconds; SD3Transformer2DModel has no `_repeated_blocks` in diffusers
 0.42.1, so its `_no_split_modules`, JointTransformerBlock, are given as them); then for each profile: `attach` on the
-(compiled) model, timed, with its peak extra and resident device memory; `attached_eager` (under
+(compiled) model, timed (with `host_compiled` among the rows the model is compiled before attach, so its
+feed-forward sites are gated compiled, and `attached_eager` then runs that plan eager: leave `host_compiled` out for a
+plan gated eager), with its peak extra and resident device memory; `attached_eager` (under
 `torch.compiler.set_stance("force_eager")`); `attached_compiled` (first call = the recompile); `detach`, then the
 exactness checks: eager and compiled outputs bit-equal to the host's, and the state dict equal to a fingerprint taken
 before any attach (per tensor: dtype, shape, device, and the float64 sum and 16 strided elements; nothing is copied

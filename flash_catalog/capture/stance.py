@@ -34,8 +34,9 @@ class CalibrationStance:
     compiled: bool = False
 
     @classmethod
-    def of(cls, model: nn.Module) -> CalibrationStance:
-        return cls(current_stance(), user_compiled(model))
+    def of(cls, model: nn.Module, gate_compiled: bool | None = None) -> CalibrationStance:
+        """The stance now; feed-forward sites gated compiled as `gate_compiled` says (None: if the model is)."""
+        return cls(current_stance(), user_compiled(model) if gate_compiled is None else gate_compiled)
 
     @contextlib.contextmanager
     def host(self) -> Iterator[None]:

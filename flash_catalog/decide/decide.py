@@ -11,7 +11,7 @@ import torch
 
 from ..plan import receipts
 from .agreement import LOCAL, Agreement
-from .gate import Accuracy, SpeedVerdict, Timing, device_timer, measure_accuracy, median_seconds, paired_speedup
+from .gate import Accuracy, DeviceTimer, SpeedVerdict, Timing, measure_accuracy, median_seconds, paired_speedup
 from ..capture.layout import stride_order
 from ..plan.records import ShapeRecord
 from ..catalog.specs import AccuracyFloor, Spec
@@ -106,7 +106,7 @@ class Trial:
     shape: str      # "q=(1,32,2,12)" or "x=(2,9,8)": the shape as the trail names it
     device: torch.device
     host: Callable[[], torch.Tensor]
-    compiled: bool = False  # both sides run compiled: timed by the GPU's time (`gate.device_timer`) on CUDA
+    compiled: bool = False  # both sides run compiled: timed by the GPU's time (`gate.DeviceTimer`) on CUDA
 
 
 @dataclass(frozen=True)
@@ -305,7 +305,7 @@ def _measure(trial: Trial, contender: Contender, host_out: torch.Tensor, options
                 local_timing = paired_speedup(trial.host, timed, trial.device,
                                               rounds=options.rounds_for(trial.device),
                                               need=options.speedup_needed(contender.spec),
-                                              timer=device_timer if trial.compiled and trial.device.type == "cuda"
+                                              timer=DeviceTimer() if trial.compiled and trial.device.type == "cuda"
                                               else None)
         except Exception as exc:  # failing while timed (out of memory, say) refuses the form, as failing to run does
             error = exc

@@ -278,30 +278,32 @@ def _cuda_timer(fn: Callable[[], object], reps: int) -> float:
     return begin.elapsed_time(end) / 1e3 / reps
 
 
-def device_timer(fn: Callable[[], object], reps: int) -> float:
-    """Seconds per call on the GPU alone: the calls are queued behind a spin long enough for the host to enqueue
-    them all first, so launch costs on the CPU are hidden, as a compiled graph's launches are while the device is
-    busy. For compiled code only: the step check times the model's real (wall-clock) step after."""
-    spin_s = 2 * _enqueue_s(fn, reps) + 1e-3
-    begin = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(int(spin_s * _spin_cycles_per_s()))
-    begin.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return begin.elapsed_time(end) / 1e3 / reps
+class DeviceTimer:
+    """Seconds per call on the GPU alone (a `Timer`): the calls are queued behind a spin long enough for the host to
+    enqueue them all first, so launch costs on the CPU are hidden, as a compiled graph's launches are while the
+    device is busy. For compiled code only: the step check times the model's real (wall-clock) step after. One per
+    paired timing: it keeps each callable's host time per call, which sizes the next spin; a spin the host outlasted
+    is measured again with a longer one."""
 
+    def __init__(self) -> None:
+        self._host_s: dict[int, float] = {}  # id of a callable -> its host seconds per call, the most seen
 
-def _enqueue_s(fn: Callable[[], object], reps: int) -> float:
-    """How long the host takes to enqueue `reps` calls of fn (measured now, the device then drained)."""
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    enqueued = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return enqueued
+    def __call__(self, fn: Callable[[], object], reps: int) -> float:
+        while True:
+            spin_s = 2 * self._host_s.get(id(fn), 0.0) * reps + 1e-3
+            begin = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(int(spin_s * _spin_cycles_per_s()))
+            begin.record()
+            started = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            enqueued = time.perf_counter() - started
+            end.record()
+            end.synchronize()
+            self._host_s[id(fn)] = max(self._host_s.get(id(fn), 0.0), enqueued / reps)
+            if enqueued < 0.8 * spin_s:
+                return begin.elapsed_time(end) / 1e3 / reps
 
 
 def _spin_cycles_per_s() -> float:
