@@ -281,3 +281,31 @@ def test_gate_compiled_overrides_whether_the_model_was_compiled_first():
     detach(plan)
     with pytest.raises(TypeError, match="gate_compiled='yes'; expected None"):
         attach(host.model, inputs, gate_compiled="yes", **options)
+
+
+def test_a_receipt_serves_feed_forward_shapes_gated_the_same_way_only():
+    """A feed-forward shape key records that it was gated compiled: a receipt of an eager-gated attach re-decides
+    those shapes in an attach gated compiled (and reuses them in one gated eager)."""
+    import json
+
+    from flash_catalog import Plan
+    from flash_catalog.plan.records import Basis
+
+    host = build("flux", dtype=torch.bfloat16)
+    inputs = host.inputs()
+    options = dict(ffn_forms=["int8_rowwise"], projections=["*attn*.to_q"], min_speedup=0)
+    plan = attach(host.model, inputs, gate_compiled=False, **options)
+    receipt = Plan.from_dict(json.loads(json.dumps(plan.to_dict())), source="the eager receipt")
+    detach(plan)
+
+    def bases(plan) -> set:
+        return {r.basis for s in plan.sites if s.kind == "ffn" for r in s.shapes}
+
+    again = attach(host.model, inputs, gate_compiled=False, plan=receipt, **options)
+    assert bases(again) == {Basis.REUSED}
+    detach(again)
+    compiled = attach(host.model, inputs, gate_compiled=True, plan=receipt, **options)
+    records = [r for s in compiled.sites if s.kind == "ffn" for r in s.shapes]
+    assert {r.basis for r in records} == {Basis.REDECIDED} and all(r.key["compiled"] is True for r in records)
+    assert all("has no decision for this site at this shape" in r.basis_reason for r in records)
+    detach(compiled)

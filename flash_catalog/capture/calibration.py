@@ -54,11 +54,13 @@ def ffn_timing_key(form: str, module: nn.Module, key: FfnKey) -> tuple:
     return form, *ffn_architecture(module), key
 
 
-def ffn_key_fields(module: nn.Module, key: FfnKey) -> dict[str, Any]:
-    """A feed-forward shape key as a receipt stores it (`ShapeRecord.key`), the architecture as a digest."""
+def ffn_key_fields(module: nn.Module, key: FfnKey, compiled: bool = False) -> dict[str, Any]:
+    """A feed-forward shape key as a receipt stores it (`ShapeRecord.key`), the architecture as a digest; a shape
+    gated compiled says so, so that a receipt serves only an attach gated the same way."""
     shape, dtype, device = key
     architecture = hashlib.sha256(repr(ffn_architecture(module)).encode()).hexdigest()[:16]
-    return {"x": list(shape), "dtype": dtype_name(dtype), "device": device.type, "module": architecture}
+    fields = {"x": list(shape), "dtype": dtype_name(dtype), "device": device.type, "module": architecture}
+    return {**fields, "compiled": True} if compiled else fields
 
 
 def attention_contender(form: AttentionForm, site: str, call: AttentionCall,
@@ -181,7 +183,7 @@ class Calibration:
         site.known.add(key)
         compiled = self.stance.compiled and not site.offloaded  # offloaded weights: the host's eager path brings them
         shown = describe_input(x) + (" compiled" if compiled else "")
-        record = records[key] = ShapeRecord(shown, 1, "host", key=ffn_key_fields(site.module, key))
+        record = records[key] = ShapeRecord(shown, 1, "host", key=ffn_key_fields(site.module, key, compiled))
         if not self.ffn_forms:
             record.reason = receipts.NO_FORMS.format(family="ffn")
             return site.host_forward(x)
