@@ -33,22 +33,23 @@ Rows, side by side in one process: `host_eager`; `host_compiled` (diffusers' `co
 its first call is the compile, reported as seconds; SD3Transformer2DModel has no `_repeated_blocks` in diffusers
 0.42.1, so its `_no_split_modules`, JointTransformerBlock, are given as them); then for each profile: `attach` on the
 (compiled) model, timed (with `host_compiled` among the rows the model is compiled before attach, so its
-feed-forward sites are gated compiled, and `attached_eager` then runs that plan eager: leave `host_compiled` out for a
-plan gated eager), with its peak extra and resident device memory; `attached_eager` (under
-`torch.compiler.set_stance("force_eager")`); `attached_compiled` (first call = the recompile); `detach`, then the
-exactness checks: eager and compiled outputs bit-equal to the host's, and the state dict equal to a fingerprint taken
-before any attach (per tensor: dtype, shape, device, and the float64 sum and 16 strided elements; nothing is copied
-whole); last, `peer_compiled`: the model built again from the seed (its fingerprint checked against the host's),
-torchao's `quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))` on every bf16
-`nn.Linear`, and the same regional compile; on CUDA with torchao only (a benchmark-only extra: `pip install
-'flash_catalog[bench]'`), else skipped with the reason. It runs last because torchao sets its recommended inductor
+feed-forward sites are gated compiled, and `attached_eager` then runs that plan eager: leave `host_compiled` out or
+pass `--gate-compiled off` for a plan gated eager), with its peak extra and resident device memory;
+`attached_eager` (under `torch.compiler.set_stance("force_eager")`); `attached_compiled` (first call = the
+recompile); `detach`, then the exactness checks: eager and compiled outputs bit-equal to the host's, and the state
+dict equal to a fingerprint taken before any attach (per tensor: dtype, shape, device, and the float64 sum and 16
+strided elements; nothing is copied whole); last, `peer_compiled`: the model built again from the seed (its
+fingerprint checked against the host's), torchao's
+`quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))` on every bf16 `nn.Linear`, and
+the same regional compile; on CUDA with torchao only (a benchmark-only extra: `pip install 'flash_catalog[bench]'`),
+else skipped with the reason. It runs last because torchao sets its recommended inductor
 options for the whole process. Each row: median ms over `--steps` timed calls and its output's cosine against the
 host eager output. Rows that would not finish within `--budget-s` (estimated from the host's step time) are
 skipped. The JSON is rewritten after every row; the tables come last.
 
     python tools/bench_model.py --model wan480 [--profiles default,int8_balance_sage,fp8_balance_proj]
         [--rows host_eager,host_compiled,attached_eager,attached_compiled,peer_compiled] [--steps 3] [--warmup 1]
-        [--budget-s 540] [--json bench_model_wan480.json]
+        [--budget-s 540] [--gate-compiled auto|on|off] [--json bench_model_wan480.json]
     python tools/bench_model.py --model ltx2 --tiny --device cpu --steps 1   # smoke test: 2 layers, tiny dims
 """
 
@@ -514,11 +515,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--attach-estimate-s", type=float, default=None,
                    help="least expected attach seconds (default 30 + 6 host steps)")
     p.add_argument("--recompile-limit", type=int, default=None, help="torch._dynamo.config.recompile_limit")
+    p.add_argument("--gate-compiled", choices=("auto", "on", "off"), default="auto",
+                   help="attach's gate_compiled: auto (None: compiled when host_compiled compiled the model first), "
+                        "on (True), off (False: feed-forward sites gated eager)")
     p.add_argument("--reattach", action="store_true",
                    help="after each profile's detach, attach it once more from the first attach's receipt "
                         "(plan=, as a saved plan is reused: no paired timing, accuracy gated at every site), "
                         "then detach")
     args = p.parse_args(argv)
+    args.gate_compiled = {"auto": None, "on": True, "off": False}[args.gate_compiled]
     args.rows = chosen(p, args.rows, ROWS, "rows")
     if args.steps < 1:
         p.error("--steps must be >= 1")
@@ -685,7 +690,7 @@ class Bench:
         sync(self.device)
         t0 = time.monotonic()
         receipt = Plan.from_dict(json.loads(json.dumps(prof["plan"])), source="the first attach's receipt")
-        plan = attach(self.model, self.inputs, plan=receipt, **({} if profile == "default" else {"profile": profile}))
+        plan = attach(self.model, self.inputs, plan=receipt, **self.attach_options(profile))
         sync(self.device)
         prof["reattach_s"] = time.monotonic() - t0
         prof["reattach_receipt"] = asdict(plan.receipt) if plan.receipt is not None else None
@@ -698,6 +703,10 @@ class Bench:
             f"{prof['reattach_same_bindings']}; "
             f"{plan.timings.describe() if plan.timings is not None else '-'}")
 
+    def attach_options(self, profile: str) -> dict[str, Any]:
+        """`attach`'s keyword options for a profile ("default": none) and this run's --gate-compiled."""
+        return {"gate_compiled": self.args.gate_compiled, **({} if profile == "default" else {"profile": profile})}
+
     def attach(self, profile: str, prof: dict[str, Any]) -> Plan | None:
         plan: list[Plan] = []
 
@@ -706,7 +715,7 @@ class Bench:
             resident = memory(self.device)
             reset_peak(self.device)
             t0 = time.monotonic()
-            plan.append(attach(self.model, self.inputs, **({} if profile == "default" else {"profile": profile})))
+            plan.append(attach(self.model, self.inputs, **self.attach_options(profile)))
             sync(self.device)
             prof["attach_s"] = time.monotonic() - t0
             self.budget.attaches.append(prof["attach_s"])
