@@ -31,6 +31,12 @@ class QuantizedUpFeedForward(QuantizedModule):
     For sites that must stay within cosine 0.999 of the host: on random data this measures about 0.9993 where
     the all-FP8 FeedForward gives 0.9986 (notes/ffn_accuracy.md), at the cost of running GEMM2 unquantized."""
 
+    w1_q: torch.Tensor
+    w1_scale: torch.Tensor
+    b1: torch.Tensor
+    w2: torch.Tensor
+    b2: torch.Tensor
+
     def __init__(self, activation: str, dtype: torch.dtype, w1: torch.Tensor, s1: torch.Tensor, b1: torch.Tensor,
                  w2: torch.Tensor, b2: torch.Tensor) -> None:
         super().__init__()

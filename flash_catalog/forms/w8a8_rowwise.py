@@ -37,6 +37,13 @@ class Scheme:
 class QuantizedFeedForward(QuantizedModule):
     """W8A8 FeedForward (FP8 or INT8 by `scheme`): holds only its own quantized weights, scales and biases."""
 
+    w1_q: torch.Tensor
+    w1_scale: torch.Tensor
+    b1: torch.Tensor
+    w2_q: torch.Tensor
+    w2_scale: torch.Tensor
+    b2: torch.Tensor
+
     def __init__(self, activation: str, dtype: torch.dtype, w1: torch.Tensor, s1: torch.Tensor, b1: torch.Tensor,
                  w2: torch.Tensor, s2: torch.Tensor, b2: torch.Tensor, scheme: Scheme,
                  fuse_activation: bool = True) -> None:
@@ -62,6 +69,10 @@ class QuantizedFeedForward(QuantizedModule):
 
 class QuantizedLinear(QuantizedModule):
     """W8A8 `nn.Linear` (a whitelisted attention projection; FP8 or INT8 by `scheme`): its own codes, scale, bias."""
+
+    w_q: torch.Tensor
+    w_scale: torch.Tensor
+    bias: torch.Tensor
 
     def __init__(self, dtype: torch.dtype, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor,
                  scheme: Scheme) -> None:
