@@ -285,11 +285,14 @@ class DeviceTimer:
     paired timing: it keeps each callable's host time per call, which sizes the next spin; a spin the host outlasted
     is measured again with a longer one."""
 
+    ATTEMPTS = 4  # a host slower every time (a busy machine): the last measurement stands
+
     def __init__(self) -> None:
         self._host_s: dict[int, float] = {}  # id of a callable -> its host seconds per call, the most seen
 
     def __call__(self, fn: Callable[[], object], reps: int) -> float:
-        while True:
+        seconds = 0.0
+        for _ in range(self.ATTEMPTS):
             spin_s = 2 * self._host_s.get(id(fn), 0.0) * reps + 1e-3
             begin = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
@@ -302,8 +305,10 @@ class DeviceTimer:
             end.record()
             end.synchronize()
             self._host_s[id(fn)] = max(self._host_s.get(id(fn), 0.0), enqueued / reps)
+            seconds = begin.elapsed_time(end) / 1e3 / reps
             if enqueued < 0.8 * spin_s:
-                return begin.elapsed_time(end) / 1e3 / reps
+                break
+        return seconds
 
 
 def _spin_cycles_per_s() -> float:
