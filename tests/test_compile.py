@@ -237,6 +237,18 @@ def test_flex_bound_then_compiled_serves_the_first_compiled_call(device, backend
     detach(plan)
 
 
+FFN_FORCED = dict(ffn_forms=["int8_rowwise"], projections=["*attn*.to_q"], min_speedup=0)
+"""Forced feed-forward binds at the tiny Flux host's four feed-forward shapes (ff, ff_context, two to_q)."""
+
+
+def ffn_records(plan) -> list:
+    return [r for s in plan.sites if s.kind == "ffn" for r in s.shapes]
+
+
+def gated_compiled(plan) -> list[bool]:
+    return [r.shape.endswith(" compiled") for r in ffn_records(plan)]
+
+
 def test_a_model_compiled_before_attach_has_its_feed_forward_sites_gated_compiled():
     """Compiled first, attached after: each feed-forward decision runs and times the host's forward and the form's
     module through inductor (the record says "compiled"; private graphs, not the model's); the model's own blocks
@@ -245,15 +257,14 @@ def test_a_model_compiled_before_attach_has_its_feed_forward_sites_gated_compile
     host = build("flux", dtype=torch.bfloat16)
     inputs = host.inputs()
     state = {k: v.clone() for k, v in host.model.state_dict().items()}
-    plan = attach(host.model, inputs, ffn_forms=["int8_rowwise"], projections=["*attn*.to_q"], min_speedup=0)
-    assert [r.shape.endswith(" compiled") for s in plan.sites if s.kind == "ffn" for r in s.shapes] == [False] * 4
+    plan = attach(host.model, inputs, **FFN_FORCED)
+    assert gated_compiled(plan) == [False] * 4
     detach(plan)
     host.model.compile_repeated_blocks(fullgraph=True)
     reference = run(host.model, inputs)
     before = graphs()
-    plan = attach(host.model, inputs, ffn_forms=["int8_rowwise"], projections=["*attn*.to_q"], min_speedup=0)
-    records = [(s.name, r) for s in plan.sites if s.kind == "ffn" for r in s.shapes]
-    assert len(records) == 4 and all(r.outcome == "bound" and r.shape.endswith(" compiled") for _, r in records)
+    plan = attach(host.model, inputs, **FFN_FORCED)
+    assert gated_compiled(plan) == [True] * 4 and all(r.outcome == "bound" for r in ffn_records(plan))
     assert graphs() - before >= 2  # the gate's own graphs: a host and a form per timing key
     attached = run(host.model, inputs)
     assert torch.nn.functional.cosine_similarity(attached.float().flatten(), reference.float().flatten(), dim=0) > 0.999
@@ -267,20 +278,15 @@ def test_gate_compiled_overrides_whether_the_model_was_compiled_first():
     attach), `False` gates a compiled one's eager; anything else is refused naming the option."""
     host = build("flux", dtype=torch.bfloat16)
     inputs = host.inputs()
-    options = dict(ffn_forms=["int8_rowwise"], projections=["*attn*.to_q"], min_speedup=0)
-
-    def compiled_records(plan) -> list[bool]:
-        return [r.shape.endswith(" compiled") for s in plan.sites if s.kind == "ffn" for r in s.shapes]
-
-    plan = attach(host.model, inputs, gate_compiled=True, **options)
-    assert compiled_records(plan) == [True] * 4 and plan.options.gate_compiled is True
+    plan = attach(host.model, inputs, gate_compiled=True, **FFN_FORCED)
+    assert gated_compiled(plan) == [True] * 4 and plan.options.gate_compiled is True
     detach(plan)
     host.model.compile_repeated_blocks(fullgraph=True)
-    plan = attach(host.model, inputs, gate_compiled=False, **options)
-    assert compiled_records(plan) == [False] * 4
+    plan = attach(host.model, inputs, gate_compiled=False, **FFN_FORCED)
+    assert gated_compiled(plan) == [False] * 4
     detach(plan)
     with pytest.raises(TypeError, match="gate_compiled='yes'; expected None"):
-        attach(host.model, inputs, gate_compiled="yes", **options)
+        attach(host.model, inputs, gate_compiled="yes", **FFN_FORCED)
 
 
 def test_a_receipt_serves_feed_forward_shapes_gated_the_same_way_only():
@@ -293,19 +299,14 @@ def test_a_receipt_serves_feed_forward_shapes_gated_the_same_way_only():
 
     host = build("flux", dtype=torch.bfloat16)
     inputs = host.inputs()
-    options = dict(ffn_forms=["int8_rowwise"], projections=["*attn*.to_q"], min_speedup=0)
-    plan = attach(host.model, inputs, gate_compiled=False, **options)
+    plan = attach(host.model, inputs, gate_compiled=False, **FFN_FORCED)
     receipt = Plan.from_dict(json.loads(json.dumps(plan.to_dict())), source="the eager receipt")
     detach(plan)
-
-    def bases(plan) -> set:
-        return {r.basis for s in plan.sites if s.kind == "ffn" for r in s.shapes}
-
-    again = attach(host.model, inputs, gate_compiled=False, plan=receipt, **options)
-    assert bases(again) == {Basis.REUSED}
+    again = attach(host.model, inputs, gate_compiled=False, plan=receipt, **FFN_FORCED)
+    assert {r.basis for r in ffn_records(again)} == {Basis.REUSED}
     detach(again)
-    compiled = attach(host.model, inputs, gate_compiled=True, plan=receipt, **options)
-    records = [r for s in compiled.sites if s.kind == "ffn" for r in s.shapes]
+    compiled = attach(host.model, inputs, gate_compiled=True, plan=receipt, **FFN_FORCED)
+    records = ffn_records(compiled)
     assert {r.basis for r in records} == {Basis.REDECIDED} and all(r.key["compiled"] is True for r in records)
     assert all("has no decision for this site at this shape" in r.basis_reason for r in records)
     detach(compiled)

@@ -233,7 +233,6 @@ Rehearsal = Callable[[Route, bool], Callable[[], Any]]
 """The call at hand as a route would serve it once bound (`AttentionRouter.rehearsal`): what the gate times."""
 
 
-
 @dataclass(frozen=True, eq=False)
 class MetCall:
     """An attention call as calibration meets it: the site's slot and the call's ordinal there, the canonical call

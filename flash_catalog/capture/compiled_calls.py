@@ -1,6 +1,6 @@
 """Feed-forward calls gated as a compiled model runs them.
 
-Where the user compiled the model before attach (`user_compiled`; or `attach(gate_compiled=True)`), a bound
+Where the user compiled the model before attach (`stance.user_compiled`; or `attach(gate_compiled=True)`), a bound
 feed-forward site runs compiled: its linears quantise their rows in torch ops that inductor fuses
 (kernels/linear_ops.py), not in the eager kernels. So the gate times both sides of such a site compiled, the host's
 forward and the form's module, each through `torch.compile(fullgraph=True)` (inductor) at the site's input shape,
@@ -15,19 +15,8 @@ import types
 from typing import Callable
 
 import torch
-from torch import nn
 
-
-def user_compiled(model: nn.Module) -> bool:
-    """True when a module of the model was compiled (`torch.compile(module)`, `module.compile()`, diffusers'
-    `compile_repeated_blocks`) and the stance in force runs compiled code."""
-    stance = getattr(getattr(torch._dynamo, "eval_frame", None), "_stance", None)
-    if stance is not None and stance.stance == "force_eager":
-        return False
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    return any(isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
-               for m in model.modules())
+from .stance import eager_forced
 
 
 def _call(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -41,8 +30,7 @@ def compiled_call(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -
     compiled = torch.compile(private, fullgraph=True, dynamic=False)
 
     def run() -> torch.Tensor:
-        stance = getattr(getattr(torch._dynamo, "eval_frame", None), "_stance", None)
-        if stance is not None and stance.stance == "force_eager":
+        if eager_forced():
             with torch.compiler.set_stance("default"):
                 return compiled(fn, x)
         return compiled(fn, x)

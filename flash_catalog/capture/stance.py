@@ -16,13 +16,28 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from .compiled_calls import user_compiled
-
 
 def current_stance() -> Any:
     """The stance in force now (torch's own record of it), or None where this torch has no stances."""
     eval_frame = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
     return getattr(eval_frame, "_stance", None)
+
+
+def eager_forced() -> bool:
+    """True while the stance in force is `force_eager` (compiled regions run eager)."""
+    stance = current_stance()
+    return stance is not None and stance.stance == "force_eager"
+
+
+def user_compiled(model: nn.Module) -> bool:
+    """True when a module of the model was compiled (`torch.compile(module)`, `module.compile()`, diffusers'
+    `compile_repeated_blocks`) and the stance in force runs compiled code."""
+    if eager_forced():
+        return False
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return any(isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
+               for m in model.modules())
 
 
 @dataclass(frozen=True)

@@ -296,7 +296,7 @@ class DeviceTimer:
             spin_s = 2 * self._host_s.get(id(fn), 0.0) * reps + 1e-3
             begin = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(int(spin_s * _spin_cycles_per_s()))
+            torch.cuda._sleep(int(spin_s * _spin_rate(torch.cuda.current_device())))
             begin.record()
             started = time.perf_counter()
             for _ in range(reps):
@@ -309,10 +309,6 @@ class DeviceTimer:
             if enqueued < 0.8 * spin_s:
                 break
         return seconds
-
-
-def _spin_cycles_per_s() -> float:
-    return _spin_rate(torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=None)
