@@ -282,8 +282,9 @@ class DeviceTimer:
     """Seconds per call on the GPU alone (a `Timer`): the calls are queued behind a spin long enough for the host to
     enqueue them all first, so launch costs on the CPU are hidden, as a compiled graph's launches are while the
     device is busy. For compiled code only: the step check times the model's real (wall-clock) step after. One per
-    paired timing: it keeps each callable's host time per call, which sizes the next spin; a spin the host outlasted
-    is measured again with a longer one."""
+    paired timing: it keeps each callable's host time per call, which sizes the next spin. A sample whose spin ended
+    before the host had queued every call (the event after the spin had already fired) is measured again with a
+    spin twice as long."""
 
     ATTEMPTS = 4  # a host slower every time (a busy machine): the last measurement stands
 
@@ -292,8 +293,8 @@ class DeviceTimer:
 
     def __call__(self, fn: Callable[[], object], reps: int) -> float:
         seconds = 0.0
-        for _ in range(self.ATTEMPTS):
-            spin_s = 2 * self._host_s.get(id(fn), 0.0) * reps + 1e-3
+        for attempt in range(self.ATTEMPTS):
+            spin_s = (2 * self._host_s.get(id(fn), 0.0) * reps + 1e-3) * 2 ** attempt
             begin = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             torch.cuda._sleep(int(spin_s * _spin_rate(torch.cuda.current_device())))
@@ -302,11 +303,12 @@ class DeviceTimer:
             for _ in range(reps):
                 fn()
             enqueued = time.perf_counter() - started
+            outlasted = not begin.query()  # the GPU was still spinning when the last call was queued
             end.record()
             end.synchronize()
             self._host_s[id(fn)] = max(self._host_s.get(id(fn), 0.0), enqueued / reps)
             seconds = begin.elapsed_time(end) / 1e3 / reps
-            if enqueued < 0.8 * spin_s:
+            if outlasted:
                 break
         return seconds
 
@@ -317,6 +319,7 @@ def _spin_rate(index: int) -> float:
     begin = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
     cycles = 10_000_000
+    torch.cuda._sleep(cycles // 10)  # the clocks up before the measured spin
     begin.record()
     torch.cuda._sleep(cycles)
     end.record()
