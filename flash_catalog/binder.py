@@ -90,6 +90,7 @@ def attach(model: nn.Module | Any, example: Example, options: AttachOptions | No
         step("installing the router", installation.install)
         step("running the example (calibration call)", job.calibrate, calibration.stance)
         step(BINDING)
+        calibration.compiled.clear()  # the gate's private graphs; the model's own compile again as they run
         records = _attention_records(job, installation, calibration) + _ffn_records(installation, calibration)
         job.agreement.check(records)
         attachment.bind(calibration.bound_keys, calibration.staging_keys())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 from torch._dynamo.testing import EagerAndRecordGraphs
 from torch._dynamo.utils import counters
 
@@ -272,6 +273,40 @@ def test_a_model_compiled_before_attach_has_its_feed_forward_sites_gated_compile
     assert torch.equal(run(host.model, inputs), reference)
     assert all(torch.equal(v, state[k]) for k, v in host.model.state_dict().items())
 
+
+
+class _DeepLinears(nn.Module):
+    """Three identical blocks of two projections."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def test_sites_of_one_architecture_and_shape_share_the_gate_s_compiled_graphs():
+    """Gated compiled, the blocks of a deep model compile once per side (host, form) per architecture and input
+    shape, not once per site: six projection sites of two kinds add four graphs. Each site is still gated on its
+    own weights (its own accuracy), all bind, and the attached model stays close to the host."""
+    torch.manual_seed(0)
+    model = _DeepLinears().to(torch.bfloat16).eval()
+    x = torch.randn(2, 16, 32, dtype=torch.bfloat16)
+    reference = run(model, {"x": x})
+    before = graphs()
+    plan = attach(model, {"x": x}, gate_compiled=True, ffn_forms=["int8_rowwise"], projections=["blocks.*"],
+                  min_speedup=0)
+    records = ffn_records(plan)
+    assert len(records) == 6 and all(r.outcome == "bound" for r in records), str(plan)
+    assert graphs() - before == 2 * 2
+    assert len({r.cosine for r in records}) > 2  # measured site by site
+    attached = run(model, {"x": x})
+    assert torch.nn.functional.cosine_similarity(attached.float().flatten(), reference.float().flatten(), dim=0) > 0.999
+    detach(plan)
+    assert torch.equal(run(model, {"x": x}), reference)
 
 def test_gate_compiled_overrides_whether_the_model_was_compiled_first():
     """`gate_compiled=True` gates an uncompiled model's feed-forward sites compiled (for a model compiled after

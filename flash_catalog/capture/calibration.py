@@ -20,7 +20,7 @@ from ..plan import receipts
 from ..adapters.ffn import FfnKey, FfnSite, ffn_key
 from ..adapters.router import MetCall, SiteSlot
 from ..route.table import Alternative, RouteTable, unlisted_route
-from .compiled_calls import compiled_call
+from .compiled_calls import CompiledCalls
 from .calls import AttentionCall, Output, ShapeKey, StaticKey, dims, dtype_name
 from ..decide.decide import AttachClock, Built, Contender, Decision, GateOptions, TimingCache, Trial, decide
 from ..forms.base import AttentionForm, Runner
@@ -107,6 +107,7 @@ class Calibration:
     saved: SavedDecisions | None = None  # a receipt given to attach: its timings seed `timings`
     timings: TimingCache = field(default_factory=TimingCache)
     clock: AttachClock = field(default_factory=AttachClock)
+    compiled: CompiledCalls = field(default_factory=CompiledCalls)  # sites gated compiled share their graphs
     attention: dict[str, dict[Any, ShapeRecord]] = field(default_factory=dict)
     ffn: dict[str, dict[FfnKey, ShapeRecord]] = field(default_factory=dict)
     ffn_memory: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -190,7 +191,8 @@ class Calibration:
         forms = [f for f in self.ffn_forms if site.form is None or f.name == site.form]  # one module per site
         built: dict[str, nn.Module] = {}
         contenders = [self._ffn_contender(form, site, x, key, built, compiled) for form in forms]
-        host = compiled_call(site.host_forward, x) if compiled else functools.partial(site.host_forward, x)
+        host = (self.compiled.call(("host", *ffn_architecture(site.module), key), site.host_forward, x) if compiled
+                else functools.partial(site.host_forward, x))
         decision = self._decide(site.path, record, f"x={dims(x.shape)}{', compiled' if compiled else ''}", x.device,
                                 host, contenders, compiled)
         if decision.winner is not None:
@@ -206,14 +208,15 @@ class Calibration:
                        built: dict[str, nn.Module], compiled: bool) -> Contender:
         """A feed-forward form at one input; `compiled`: run and timed through torch.compile, as it will run."""
         rule = tensor_rule(form.spec.envelope, x) or form.rule(site.module, x)
+        timing_key = ffn_timing_key(form.name, site.module, key) + (("compiled",) if compiled else ())
 
         def build() -> Built:
             module = site.replacement if site.form == form.name else built.get(form.name)
             if module is None:
                 module = built[form.name] = form.build(site.module)
-            return Built(compiled_call(module, x) if compiled else functools.partial(module, x), module)
+            return Built(self.compiled.call(timing_key, module, x) if compiled else functools.partial(module, x),
+                         module)
 
-        timing_key = ffn_timing_key(form.name, site.module, key) + (("compiled",) if compiled else ())
         return Contender(form.spec, rule, build, timing_key)
 
     # -- both ------------------------------------------------------------------------------------------------

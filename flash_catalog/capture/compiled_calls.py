@@ -4,35 +4,60 @@ Where the user compiled the model before attach (`stance.user_compiled`; or `att
 feed-forward site runs compiled: its linears quantise their rows in torch ops that inductor fuses
 (kernels/linear_ops.py), not in the eager kernels. So the gate times both sides of such a site compiled, the host's
 forward and the form's module, each through `torch.compile(fullgraph=True)` (inductor) at the site's input shape,
-and gates the accuracy of the compiled form against the compiled host. Each call compiles into a code object of its
-own: dynamo's per-code recompile limit is never reached, and the user's compiled graphs are not touched; the
-private graphs go with the attach.
+and gates the accuracy of the compiled form against the compiled host.
+
+Sites of one architecture at one input shape share one compiled graph per side: parameters are graph inputs
+(dynamo inlines nn modules), so the guards pass for every such site and each runs on its own weights, and a deep
+model compiles once per (side, architecture, shape), not once per site. Each kind of call compiles into a code
+object of its own: dynamo's per-code recompile limit is never reached, and the user's compiled graphs are not
+touched; the private graphs go with the attach's `CompiledCalls`.
 """
 
 from __future__ import annotations
 
 import types
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Callable, Hashable
 
 import torch
 
 from .stance import eager_forced
 
+Call = Callable[[torch.Tensor], torch.Tensor]
 
-def _call(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+
+def _call(fn: Call, x: torch.Tensor) -> torch.Tensor:
     return fn(x)
 
 
-def compiled_call(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Callable[[], torch.Tensor]:
-    """`fn(x)` compiled (fullgraph, static shapes) in a code object of its own; compiled at its first call, and
-    run compiled also where the stance in force is `force_eager` (`gate_compiled=True` asked for it)."""
+def _private_compiled() -> Callable[[Call, torch.Tensor], torch.Tensor]:
+    """`_call` compiled (fullgraph, static shapes) in a code object of its own; compiled at its first call."""
     private = types.FunctionType(_call.__code__.replace(), _call.__globals__, _call.__name__)
-    compiled = torch.compile(private, fullgraph=True, dynamic=False)
+    return torch.compile(private, fullgraph=True, dynamic=False)
 
-    def run() -> torch.Tensor:
-        if eager_forced():
-            with torch.compiler.set_stance("default"):
-                return compiled(fn, x)
-        return compiled(fn, x)
 
-    return run
+@dataclass
+class CompiledCalls:
+    """One attach's compiled calls, a private compiled code object per kind of call (`kind`: what the graph depends
+    on, e.g. the side, the module's architecture and the input's key)."""
+
+    _compiled: dict[Hashable, Callable[[Call, torch.Tensor], torch.Tensor]] = field(default_factory=dict)
+
+    def call(self, kind: Hashable, fn: Call, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """`fn(x)` through the compiled code object of `kind`, run compiled also where the stance in force is
+        `force_eager` (`gate_compiled=True` asked for it)."""
+        compiled = self._compiled.get(kind)
+        if compiled is None:
+            compiled = self._compiled[kind] = _private_compiled()
+
+        def run() -> torch.Tensor:
+            if eager_forced():
+                with torch.compiler.set_stance("default"):
+                    return compiled(fn, x)
+            return compiled(fn, x)
+
+        return run
+
+    def clear(self) -> None:
+        """Drop the compiled code objects (their graphs go once nothing runs them)."""
+        self._compiled.clear()
