@@ -9,8 +9,10 @@ and gates the accuracy of the compiled form against the compiled host.
 Sites of one architecture at one input shape share one compiled graph per side: parameters are graph inputs
 (dynamo inlines nn modules), so the guards pass for every such site and each runs on its own weights, and a deep
 model compiles once per (side, architecture, shape), not once per site. Each kind of call compiles into a code
-object of its own: dynamo's per-code recompile limit is never reached, and the user's compiled graphs are not
-touched; the private graphs go with the attach's `CompiledCalls`.
+object of its own, which serves at most dynamo's per-code recompile limit of sites (then a fresh one): were a
+guard to fail at every site, the limit would still never be reached (past it, a fullgraph compile raises, and the
+form would be refused for it). The user's compiled graphs are not touched; the private graphs go with the
+attach's `CompiledCalls`.
 """
 
 from __future__ import annotations
@@ -30,6 +32,12 @@ def _call(fn: Call, x: torch.Tensor) -> torch.Tensor:
     return fn(x)
 
 
+def _recompile_limit() -> int:
+    """Dynamo's cache entries per code object (`recompile_limit`, `cache_size_limit` on older torches)."""
+    config = torch._dynamo.config
+    return int(getattr(config, "recompile_limit", getattr(config, "cache_size_limit", 8)))
+
+
 def _private_compiled() -> Callable[[Call, torch.Tensor], torch.Tensor]:
     """`_call` compiled (fullgraph, static shapes) in a code object of its own; compiled at its first call."""
     private = types.FunctionType(_call.__code__.replace(), _call.__globals__, _call.__name__)
@@ -39,16 +47,17 @@ def _private_compiled() -> Callable[[Call, torch.Tensor], torch.Tensor]:
 @dataclass
 class CompiledCalls:
     """One attach's compiled calls, a private compiled code object per kind of call (`kind`: what the graph depends
-    on, e.g. the side, the module's architecture and the input's key)."""
+    on, e.g. the side, the module's architecture and the input's key), each with the number of calls it serves."""
 
-    _compiled: dict[Hashable, Callable[[Call, torch.Tensor], torch.Tensor]] = field(default_factory=dict)
+    _compiled: dict[Hashable, tuple[Callable[[Call, torch.Tensor], torch.Tensor], int]] = field(default_factory=dict)
 
     def call(self, kind: Hashable, fn: Call, x: torch.Tensor) -> Callable[[], torch.Tensor]:
         """`fn(x)` through the compiled code object of `kind`, run compiled also where the stance in force is
         `force_eager` (`gate_compiled=True` asked for it)."""
-        compiled = self._compiled.get(kind)
-        if compiled is None:
-            compiled = self._compiled[kind] = _private_compiled()
+        compiled, served = self._compiled.get(kind, (None, 0))
+        if compiled is None or served >= _recompile_limit():
+            compiled, served = _private_compiled(), 0
+        self._compiled[kind] = (compiled, served + 1)
 
         def run() -> torch.Tensor:
             if eager_forced():
