@@ -102,3 +102,78 @@ def test_a_routed_site_passes_on_arguments_of_any_name():
     assert sum(plan.routed.values()) == 1
     torch.testing.assert_close(out, reference)
     detach(plan)
+
+
+class SdpaWith(torch.nn.Module):
+    """SDPA called with the static arguments set on the module (`kwargs`), so a test can change one of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kwargs: dict = {}
+
+    def forward(self, q, k, v, mask=None):
+        if mask is not None:
+            return F.scaled_dot_product_attention(q, k, v, mask, **self.kwargs)
+        return F.scaled_dot_product_attention(q, k, v, **self.kwargs)
+
+
+def _one_field_off(change, q, k, v, mask):
+    """(q, k, v, mask, kwargs) differing from the calibrated call (q, k, v, mask, no keywords) in one field."""
+    kwargs = {}
+    if change == "is_causal":
+        kwargs["is_causal"] = True
+    elif change == "scale":
+        kwargs["scale"] = 0.5
+    elif change == "dtype":
+        q, k, v, mask = q.double(), k.double(), v.double(), mask.double()
+    elif change == "key_strides":
+        k = k.transpose(1, 2).contiguous().transpose(1, 2)
+    elif change == "value_shape":
+        v = torch.randn(1, 2, 64, 8)
+    elif change == "no_mask":
+        mask = None
+    elif change == "mask_shape":
+        mask = torch.zeros(1, 1, 64, 64)
+    elif change == "mask_dtype":
+        mask = torch.ones(1, 1, 1, 64, dtype=torch.bool)
+    return q, k, v, mask, kwargs
+
+
+@pytest.mark.parametrize("change", ["is_causal", "scale", "dtype", "key_strides", "value_shape", "no_mask",
+                                    "mask_shape", "mask_dtype"])
+def test_a_call_differing_from_the_bound_route_in_one_field_runs_the_host(change):
+    """The eager guard compares each field of the call with the route's own: one that differs (a stride, the
+    dtype, a static argument, the mask's presence, shape or dtype) sends the call to the host, exactly."""
+    q, k, v = _qkv()
+    mask = torch.zeros(1, 1, 1, 64)
+    model = SdpaWith()
+    plan = attach(model, (q, k, v, mask), min_speedup=0, attention_forms=["sdpa_dense"])
+    assert plan.sites[0].outcome == "bound", str(plan)
+    q2, k2, v2, mask2, kwargs = _one_field_off(change, q, k, v, mask)
+    model.kwargs = kwargs
+    with torch.no_grad():
+        out = model(q2, k2, v2, mask2)
+    expected = F.scaled_dot_product_attention(q2, k2, v2, mask2, **kwargs)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert plan.fallbacks == {"<model>#0": 1} and not plan.routed, (plan.fallbacks, plan.routed)
+    model.kwargs = {}
+    with torch.no_grad():
+        model(q, k, v, mask)
+    assert plan.routed == {"<model>#0": 1}  # the calibrated call still routes
+    detach(plan)
+
+
+def test_the_same_call_spelled_otherwise_routes_the_same():
+    """The mask by position or by keyword, the static arguments passed at their defaults: one route serves all."""
+    q, k, v = _qkv()
+    model = SdpaWith()
+    plan = attach(model, (q, k, v), min_speedup=0, attention_forms=["sdpa_dense"])
+    assert plan.sites[0].outcome == "bound", str(plan)
+    for kwargs in ({}, {"attn_mask": None}, {"is_causal": False, "scale": None, "dropout_p": 0.0},
+                   {"enable_gqa": False}):
+        model.kwargs = kwargs
+        with torch.no_grad():
+            out = model(q, k, v)
+        torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v), rtol=0, atol=0)
+    assert plan.routed == {"<model>#0": 4} and not plan.fallbacks, (plan.routed, plan.fallbacks)
+    detach(plan)

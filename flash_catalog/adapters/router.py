@@ -41,6 +41,14 @@ class Mode(enum.Enum):
     OFF = "off"          # detached: everything goes to the original
 
 
+OPERANDS = ("query", "key", "value", "attn_mask")
+Operands = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
+"""A call's q, k, v and mask, as the host passed them."""
+Plain = tuple[Operands, tuple[bool, Any, bool, bool]]
+"""A call read by `CallSignature.plain`: its operands and static arguments (is_causal, scale, enable_gqa,
+return_lse)."""
+
+
 @dataclass(frozen=True)
 class CallSignature:
     """How the host's attention function takes its arguments, and in which layout."""
@@ -53,10 +61,16 @@ class CallSignature:
     names: frozenset[str] = field(init=False)
     """Every argument the function takes, by name."""
     _defaults: dict[str, Any] = field(init=False, repr=False, compare=False, hash=False)
+    _keywords: frozenset[str] = field(init=False, repr=False, compare=False, hash=False)
+    """The arguments `plain` reads by keyword: all but q, k and v."""
+    _arity: int = field(init=False, repr=False, compare=False, hash=False)
+    """How many of q, k, v, attn_mask `plain` may read by position: those the function takes first, in that order."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "names", frozenset(self.positional) | {name for name, _ in self.defaults})
         object.__setattr__(self, "_defaults", dict(self.defaults))
+        object.__setattr__(self, "_keywords", self.names - {"query", "key", "value"})
+        object.__setattr__(self, "_arity", next((n for n in (4, 3) if self.positional[:n] == OPERANDS[:n]), 0))
 
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         if len(args) > len(self.positional):
@@ -65,6 +79,30 @@ class CallSignature:
         bound.update(zip(self.positional, args))
         bound.update(kwargs)
         return bound
+
+    def plain(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plain | None:
+        """A call in a common form, read without binding it by name: q, k and v by position, the mask fourth or by
+        keyword, every other argument by keyword; its operands and the static arguments a route's key holds, as
+        `StaticKey.of` spells them (is_causal, scale, enable_gqa, return_lse). None for any other call, and for
+        one that only the host may serve (gradients, dropout, a host-only argument): binding it decides."""
+        if not 3 <= len(args) <= self._arity or not self._keywords.issuperset(kwargs):
+            return None
+        q, k, v = args[0], args[1], args[2]
+        get, default = kwargs.get, self._defaults.get
+        mask = get("attn_mask", args[3] if len(args) == 4 else None)
+        if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+                and (mask is None or isinstance(mask, torch.Tensor))):
+            return None
+        if get("dropout_p", default("dropout_p")) or q.requires_grad or k.requires_grad or v.requires_grad:
+            return None
+        if self.host_only and any(get(name, default(name)) for name in self.host_only):
+            return None
+        scale = get("scale", default("scale"))
+        if not (scale is None or type(scale) is float):  # the guard compares by ==, the lookup hashes: they agree
+            return None
+        statics = (bool(get("is_causal", default("is_causal"))), scale,
+                   bool(get("enable_gqa", default("enable_gqa"))), bool(get("return_lse", default("return_lse"))))
+        return (q, k, v, mask), statics
 
     def static_arguments(self, bound: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
         """Every argument but the tensors, as the host received them (or their defaults)."""
@@ -213,6 +251,30 @@ def find_route(table: dict[StaticKey, Route], key: StaticKey, traced: bool | Non
         if tuple(bound._replace(aligned=None)) == tuple(key):  # alignment is not traced: the op's body checks it
             return route
     return None
+
+
+def _lookup(table: dict[StaticKey, Route], sig: CallSignature, args: tuple[Any, ...], kwargs: dict[str, Any],
+            traced: bool) -> tuple[tuple[Route, Operands] | None, StaticKey | None]:
+    """The route in `table` that serves this call, with the call's operands (None where none does), and the call's
+    static key where it was built (None too where only the host may serve the call), for the fallback's warning.
+    An eager call in a common form (`CallSignature.plain`) is matched by each route's guard, field by field
+    (`Route.admits`): what looking its key up would find, without building and hashing the key. Any other call,
+    and one that no guard admits, is looked up by its key."""
+    if not traced and table:
+        plain = sig.plain(args, kwargs)
+        if plain is not None:
+            operands, statics = plain
+            for route in table.values():
+                if route.admits(sig.layout, *operands, statics):
+                    return (route, operands), None
+    a, _ = _bound(sig, args, kwargs)
+    if a is None:
+        return None, None
+    key = _key_of(sig, a, traced)
+    found = find_route(table, key, traced) if key is not None else None
+    if found is None:
+        return None, key
+    return (found, (a["query"], a["key"], a["value"], a["attn_mask"])), key
 
 
 def context_parallel(sig: CallSignature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -408,24 +470,22 @@ class AttentionRouter:
         """A call at a bound site: its route where its static key has one, else the host. `traced`: whether dynamo
         traces this call (None: ask)."""
         traced = torch.compiler.is_compiling() if traced is None else traced
-        a, _ = _bound(sig, args, kwargs)
-        key = _key_of(sig, a, traced) if a is not None else None
-        route = (find_route(slot.routes[ordinal], key, traced) if key is not None and ordinal < len(slot.routes)
-                 else None)
-        if route is None:
+        table = slot.routes[ordinal] if ordinal < len(slot.routes) else {}
+        found, key = _lookup(table, sig, args, kwargs, traced)
+        if found is None:
             if not traced:
                 self._fallback(slot, ordinal, key)
             return original(*args, **kwargs)
-        return self._serve(route, slot, ordinal, original, a, args, kwargs, traced=traced)
+        return self._serve(*found, slot, ordinal, original, args, kwargs, traced=traced)
 
-    def _serve(self, route: Route, slot: SiteSlot | None, ordinal: int, original: Callable[..., torch.Tensor],
-               a: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any], remember: bool = True,
-               traced: bool | None = None) -> Any:
+    def _serve(self, route: Route, operands: Operands, slot: SiteSlot | None, ordinal: int,
+               original: Callable[..., torch.Tensor], args: tuple[Any, ...], kwargs: dict[str, Any],
+               remember: bool = True, traced: bool | None = None) -> Any:
         """A call whose static key has a route: its mask checked, then the route (or the host where the check
         fails). Eager calls run the route directly; traced ones see one opaque op. `slot` None: a rehearsal,
         counted nowhere; `remember` False: the mask is read at every call, as for a host that builds a new one.
-        `a`: the call's arguments by name."""
-        mask = a["attn_mask"]
+        `operands`: the call's q, k, v and mask."""
+        mask = operands[3]
         compiling = torch.compiler.is_compiling() if traced is None else traced
         if compiling or mask is None or capturing(mask):
             choice = 0 if mask is None else CHECK_INSIDE  # traced or captured: the op checks on the device
@@ -436,10 +496,10 @@ class AttentionRouter:
                     self._fallback(slot, ordinal, None, "its mask has another structure")
                 return original(*args, **kwargs)
         if compiling:
-            return route(a["query"], a["key"], a["value"], mask, choice)
+            return route(*operands, choice)
         if slot is not None:
             self._count(self.routed, slot.site(ordinal))
-        return route.serve(a["query"], a["key"], a["value"], mask, choice)
+        return route.serve(*operands, choice)
 
     def rehearsal(self, original: Callable[..., torch.Tensor], sig: CallSignature, args: tuple[Any, ...],
                   kwargs: dict[str, Any]) -> Rehearsal:
@@ -451,11 +511,10 @@ class AttentionRouter:
             table = {route.key: route}
 
             def routed_call() -> Any:
-                a, _ = _bound(sig, args, kwargs)
-                found = find_route(table, _key_of(sig, a)) if a is not None else None
+                found, _ = _lookup(table, sig, args, kwargs, torch.compiler.is_compiling())
                 if found is None:
                     return original(*args, **kwargs)
-                return self._serve(found, None, 0, original, a, args, kwargs, remember)
+                return self._serve(*found, None, 0, original, args, kwargs, remember)
 
             return routed_call
 

@@ -63,10 +63,28 @@ class Route:
     out_shape: tuple[int, ...] = field(init=False, repr=False)
     out_strides: tuple[int, ...] = field(init=False, repr=False)
     """The output's shape at the route's key, and the strides `empty_output` gives it: computed once, not per call."""
+    statics: tuple[bool, float | None, bool, bool] = field(init=False, repr=False)
+    """The key's static arguments (is_causal, scale, enable_gqa, return_lse), for `admits`."""
 
     def __post_init__(self) -> None:
         self.out_shape = (*self.key.q[:-1], self.key.v[-1])
         self.out_strides = dense_strides(self.out_shape, self.out_order)
+        self.statics = (self.key.is_causal, self.key.scale, self.key.enable_gqa, self.key.return_lse)
+
+    def admits(self, layout: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attn_mask: torch.Tensor | None, statics: tuple[bool, float | None, bool, bool]) -> bool:
+        """An eager call's metadata is the route's key, field by field: what `StaticKey.of` would build, compared
+        without building or hashing it (a guard per route; the first field that differs ends it). `statics`: as
+        `StaticKey.of` spells them (`CallSignature.plain`)."""
+        bound = self.key
+        return (query.shape == bound.q and key.shape == bound.k and value.shape == bound.v
+                and statics == self.statics and layout == bound.layout
+                and query.dtype == bound.dtype and query.device == bound.device
+                and ((attn_mask.shape == bound.mask_shape and attn_mask.dtype == bound.mask_dtype)
+                     if attn_mask is not None else bound.mask_shape is None)
+                and (query.stride(), key.stride(), value.stride()) == bound.strides
+                and (query.data_ptr() % 16 == 0, key.data_ptr() % 16 == 0, value.data_ptr() % 16 == 0)
+                == bound.aligned)
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attn_mask: torch.Tensor | None, choice: int) -> Output:
