@@ -44,7 +44,7 @@ class Mode(enum.Enum):
 OPERANDS = ("query", "key", "value", "attn_mask")
 Operands = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
 """A call's q, k, v and mask, as the host passed them."""
-Plain = tuple[Operands, tuple[bool, Any, bool, bool]]
+Plain = tuple[Operands, tuple[bool, float | None, bool, bool]]
 """A call read by `CallSignature.plain`: its operands and static arguments (is_causal, scale, enable_gqa,
 return_lse)."""
 
