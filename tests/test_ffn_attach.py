@@ -1,5 +1,7 @@
 """Feed-forward sites through attach: selection by name or profile, gates, state_dict while attached, restore."""
 
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -64,12 +66,16 @@ def test_a_cosine_floor_of_0_999_binds_the_up_only_form_where_full_w8a8_falls_sh
     assert all(torch.equal(a, r) for a, r in zip(run(host.model, inputs), reference))
 
 
-def test_ffn_guard_runs_the_host_at_a_new_shape():
+def test_ffn_guard_runs_the_host_at_a_new_shape_and_warns_what_to_do(caplog):
     host = build("ltx", dtype=torch.bfloat16)
     plan = attach(host.model, host.inputs(), attention_forms=[], ffn_forms=["fp8_rowwise"], min_speedup=0)
     bigger = host.inputs(2)
-    attached = run(host.model, bigger)
+    with caplog.at_level(logging.WARNING, logger="flash_catalog"):
+        attached = run(host.model, bigger)
     assert plan.fallbacks == {"transformer_blocks.0.ff": 1, "transformer_blocks.1.ff": 1}
+    first = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("transformer_blocks.0.ff "))
+    assert first.startswith("transformer_blocks.0.ff runs the host: an input calibration did not meet "
+                            "(x=(2,128,16) bfloat16 rows=256); attach again with an example at this shape"), first
     detach(plan)
     assert torch.equal(attached[0], run(host.model, bigger)[0])
 

@@ -22,6 +22,7 @@ from torch.nn.modules.module import (register_module_buffer_registration_hook,
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils.hooks import RemovableHandle
 
+from ..capture.calls import describe_input
 from ..pinned import PinnedCopy, pinned_copy
 from .swap import Attached, state_of
 
@@ -50,6 +51,15 @@ def find_projection_sites(model: nn.Module, patterns: list[str]) -> dict[str, nn
 def ffn_forward(module: nn.Module, host: type, hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
     """The forward of a feed-forward site module while attached."""
     return state_of(module).forward(hidden_states, args, kwargs)
+
+
+def _unmet(x: Any, plain: bool) -> str:
+    """Why a call at a bound feed-forward site runs the host, and what to do, for the fallback's warning."""
+    if not plain:
+        return "arguments only the host serves (more than the one input tensor)"
+    return (f"an input calibration did not meet ({describe_input(x)}); attach again with an example at this "
+            f"shape, or with a calibration callable that runs every shape you use (plan= a saved receipt keeps the "
+            f"shapes already decided)")
 
 
 Calibrate = Callable[["FfnSite", torch.Tensor], torch.Tensor]
@@ -95,7 +105,7 @@ class FfnSite:
         if not torch.compiler.is_compiling() and self.calibrate is None and (
                 bound or not (plain and ffn_key(x) in self.known)):
             if not self.fallbacks and self.replacement is not None:
-                log.warning("%s runs the host: an input calibration did not qualify", self.path)
+                log.warning("%s runs the host: %s", self.path, _unmet(x, plain))
             self.fallbacks += 1
         return self.host_forward(x, *args, **kwargs)
 

@@ -21,7 +21,7 @@ from ..adapters.ffn import FfnKey, FfnSite, ffn_key
 from ..adapters.router import MetCall, SiteSlot
 from ..route.table import Alternative, RouteTable, unlisted_route
 from .compiled_calls import CompiledCalls
-from .calls import AttentionCall, Output, ShapeKey, StaticKey, dims, dtype_name
+from .calls import AttentionCall, Output, ShapeKey, StaticKey, describe_input, dims, dtype_name
 from ..decide.decide import AttachClock, Built, Contender, Decision, GateOptions, TimingCache, Trial, decide
 from ..forms.base import AttentionForm, Runner
 from ..forms.ffn_base import FfnForm
@@ -34,11 +34,6 @@ from ..decide.reuse import SavedDecisions
 from .stance import CalibrationStance
 
 log = logging.getLogger("flash_catalog")
-
-
-def describe_input(x: torch.Tensor) -> str:
-    rows = x.numel() // x.shape[-1] if x.dim() else 0
-    return f"x={dims(x.shape)} {dtype_name(x.dtype)} rows={rows}"
 
 
 def ffn_architecture(module: nn.Module) -> tuple:

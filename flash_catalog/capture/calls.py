@@ -111,6 +111,12 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def describe_input(x: torch.Tensor) -> str:
+    """A feed-forward input as the receipts print it: x=(2,16,16) float32 rows=32."""
+    rows = x.numel() // x.shape[-1] if x.dim() else 0
+    return f"x={dims(x.shape)} {dtype_name(x.dtype)} rows={rows}"
+
+
 @dataclass
 class AttentionCall:
     """Q, K, V in (B, H, S, D) views of the host's tensors, plus what the host passed with them.
