@@ -185,15 +185,20 @@ def test_demo_says_when_ffn_forms_have_no_site_to_act_on(capsys):
     assert "note: --ffn-forms int8_rowwise was not tried: the tiny tirex host has no feed-forward site" in out
 
 
-def test_demo_verbose_logs_each_decision_once_prefixed(capsys):
+def test_demo_verbose_logs_each_decision_once_prefixed_and_wrapped(capsys):
     import logging
 
     logger = logging.getLogger("flash_catalog")
     before = (logger.level, logger.propagate, list(logger.handlers))
     assert main(["demo", "--runs", "1", "-v"]) == 0
     assert (logger.level, logger.propagate, list(logger.handlers)) == before  # nothing left configured
-    err = capsys.readouterr().err
+    captured = capsys.readouterr()
+    err = captured.err
     assert re.search(r"^INFO flash_catalog: deciding attns\.0#0 at q=", err, re.M), err
+    assert re.search(r"^INFO flash_catalog: attach took [\d.]+ s, in seconds: calibration call [\d.]+,", err, re.M)
+    assert_fits(err)
+    assert_fits(captured.out)
+    assert not re.search(r"\d\n +s\b", captured.out + err)  # no figure parted from its unit by the wrapping
 
 
 def test_version_and_the_profile_names_in_help(capsys):

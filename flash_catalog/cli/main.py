@@ -189,15 +189,23 @@ def _run_demo(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace],
     return run
 
 
+class WrappingFormatter(logging.Formatter):
+    """Each record's lines wrapped at 120 columns, as the CLI prints everything else."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return "\n".join(part for line in super().format(record).splitlines() for part in wrap(line))
+
+
 @contextlib.contextmanager
 def _logging_to_stderr(verbose: int) -> Iterator[None]:
-    """-v: the library's INFO records on stderr (-vv: DEBUG), one line each, for this command only."""
+    """-v: the library's INFO records on stderr (-vv: DEBUG), each wrapped to fit 120 columns, for this command
+    only."""
     if not verbose:
         yield
         return
     logger = logging.getLogger("flash_catalog")
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(WrappingFormatter("%(levelname)s %(name)s: %(message)s"))
     level, propagate = logger.level, logger.propagate
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG if verbose > 1 else logging.INFO)

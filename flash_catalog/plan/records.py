@@ -143,10 +143,11 @@ class AttachTimings:
     step_s: float = 0.0  # the step check: the host's example calls before, the attached ones after binding
 
     def describe(self) -> str:
+        """One line, the unit given once, so that wrapping it never parts a figure from its unit."""
         first = ", ".join(f"{name} {s:.1f}" for name, s in sorted(self.first_use_s.items(), key=lambda i: -i[1]))
-        return (f"attach took {self.total_s:.1f} s: calibration call {self.calibration_s:.1f} s, deciding "
-                f"{self.gating_s:.1f} s (first use: {first or 'none'}), offloading {self.offload_s:.1f} s, "
-                f"binding {self.binding_s:.1f} s, step check {self.step_s:.1f} s")
+        return (f"attach took {self.total_s:.1f} s, in seconds: calibration call {self.calibration_s:.1f}, deciding "
+                f"{self.gating_s:.1f} (first use: {first or 'none'}), offloading {self.offload_s:.1f}, binding "
+                f"{self.binding_s:.1f}, step check {self.step_s:.1f}")
 
 
 @dataclass(frozen=True)
