@@ -274,6 +274,9 @@ def test_plan_html_is_one_self_contained_page(capsys, receipt, tmp_path):
     assert page.links == [] and "http" not in text
     assert f"<code>{plan.environment['torch']}</code>" in text and "int8_rowwise" in text
     assert text.count('class="bar bound"') == 6  # a speedup bar per measured shape
+    cosines = [s.cosine for site in plan.sites for s in site.shapes if s.cosine is not None]
+    assert text.count('class="bar accuracy"') == len(cosines) == 6  # and an accuracy bar
+    assert "Accuracy bars: the cosine" in text
 
 
 @pytest.mark.parametrize("content,message", [

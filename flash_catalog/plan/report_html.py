@@ -1,6 +1,6 @@
 """A plan as one self-contained HTML page (`flash-catalog plan receipt.json --html out.html`): a row per site and
-shape with a speedup bar and the accuracy figure, the step check, the environment and the options. The style is
-inline and there are no scripts, fonts or images to fetch: the page reads the same offline."""
+shape with a speedup bar and an accuracy bar beside their figures, the step check, the environment and the options.
+The style is inline and there are no scripts, fonts or images to fetch: the page reads the same offline."""
 
 from __future__ import annotations
 
@@ -23,11 +23,16 @@ code, td.shape { font-family: ui-monospace, monospace; font-size: 12px; }
 .bar { position: relative; width: 160px; height: 12px; background: #eee; }
 .bar span { position: absolute; top: 0; bottom: 0; left: 0; }
 .bar i { position: absolute; top: -2px; bottom: -2px; width: 1px; background: #000; }
+.accuracy span { background: #57a; }
 .bound span { background: #3a7; } .declined span { background: #d93; } .refused span, .host span { background: #999; }
 tr.bound td.outcome { color: #262; } tr.declined td.outcome { color: #a60; } tr.refused td.outcome { color: #a22; }
 """
 BAR_MAX = 4.0
 """The speedup at a bar's right end (log scale from 1/BAR_MAX at the left, 1x in the middle, the black line)."""
+NINES_MAX = 6
+"""An accuracy bar is full at this many nines of cosine (0.999999) or closer to 1."""
+LEGEND = (f"Speedup bars: log scale, 1x at the black line, {BAR_MAX:g}x at the right end. Accuracy bars: the "
+          f"cosine's nines against the host's output, 0.99 a third, 0.{'9' * NINES_MAX} the whole bar.")
 
 
 def render(plan: Plan) -> str:
@@ -60,8 +65,8 @@ def _step(plan: Plan) -> list[str]:
 
 def _sites(plan: Plan) -> list[str]:
     rows = ["<h2>Sites</h2>", "<table id=\"sites\"><thead><tr><th>site</th><th>shape</th><th>outcome</th>"
-            "<th>form</th><th>speedup</th><th></th><th>cosine</th><th>max rel err</th><th>note</th></tr></thead>"
-            "<tbody>"]
+            "<th>form</th><th>speedup</th><th></th><th>cosine</th><th></th><th>max rel err</th><th>note</th></tr>"
+            "</thead><tbody>"]
     for site in plan.sites:
         for s in site.shapes:
             speedup = f"{s.speedup:.3f}x" if s.speedup is not None else ""
@@ -74,9 +79,10 @@ def _sites(plan: Plan) -> list[str]:
                 f"<td>{_e(s.form or '')}</td><td class=\"num\">{speedup}{interval}</td>"
                 f"<td>{_bar(s.speedup, s.outcome) if s.speedup is not None else ''}</td>"
                 f"<td class=\"num\">{f'{s.cosine:.6f}' if s.cosine is not None else ''}</td>"
+                f"<td>{_accuracy_bar(s.cosine) if s.cosine is not None else ''}</td>"
                 f"<td class=\"num\">{f'{s.max_rel_err:.2e}' if s.max_rel_err is not None else ''}</td>"
                 f"<td>{_e(receipts.note(s.reason))}</td></tr>")
-    rows.append("</tbody></table>")
+    rows += ["</tbody></table>", f"<p id=\"legend\">{_e(LEGEND)}</p>"]
     return rows
 
 
@@ -85,6 +91,13 @@ def _bar(speedup: float, outcome: str) -> str:
     share = 0.5 + math.log(max(speedup, 1e-9)) / (2 * math.log(BAR_MAX))
     return (f"<div class=\"bar {outcome}\" title=\"{speedup:.3f}x\"><span style=\"width: "
             f"{100 * min(max(share, 0.0), 1.0):.1f}%\"></span><i style=\"left: 50%\"></i></div>")
+
+
+def _accuracy_bar(cosine: float) -> str:
+    """A cosine as a bar of its nines, -log10(1 - cos): 0.99 fills a third of it, `NINES_MAX` nines the whole."""
+    nines = -math.log10(max(1.0 - cosine, 10.0 ** -NINES_MAX))
+    return (f"<div class=\"bar accuracy\" title=\"cos={cosine:.6f}\"><span style=\"width: "
+            f"{100 * min(max(nines / NINES_MAX, 0.0), 1.0):.1f}%\"></span></div>")
 
 
 def _pairs(values: dict[str, Any]) -> str:
