@@ -16,7 +16,7 @@ import math
 import re
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, NoReturn, Sequence
 
 from ..catalog.catalog import Catalog
 from ..catalog.specs import Spec, SpecError
@@ -38,8 +38,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     return args.run(args)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with its error message wrapped at 120 columns, like everything else the CLI prints (the
+    subcommands' parsers are of the same class)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        lines = f"{self.prog}: error: {message}".splitlines()
+        self.exit(2, "\n".join(part for line in lines for part in wrap(line)) + "\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="flash-catalog",
         description="Bind measured-faster attention kernels to unmodified PyTorch models; detach exactly.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
