@@ -49,6 +49,10 @@ def test_bench_model_image_hosts(model, tmp_path, fresh_clock):
     assert rows["peer compiled"]["status"] == f"skipped: {peer_skip_reason()}"
     (profile,) = data["profiles"]
     assert profile["status"] == "ok" and profile["detach_state_dict_equal"] and profile["detach_eager_equal"]
+    # the never-slower check: the attached eager row against the host eager one (no compiled rows ran here)
+    (check,) = data["checks"]
+    assert (check["row"], check["profile"], check["against"]) == ("attached eager", "default", "host eager")
+    assert check["x"] == rows["attached eager"]["x_host_eager"] and check["ok"] == (check["x"] >= 1.0)
 
 
 def test_the_published_configs_and_inputs():

@@ -45,7 +45,9 @@ the same regional compile; on CUDA with torchao only (a benchmark-only extra: `p
 else skipped with the reason. It runs last because torchao sets its recommended inductor
 options for the whole process. Each row: median ms over `--steps` timed calls and its output's cosine against the
 host eager output. Rows that would not finish within `--budget-s` (estimated from the host's step time) are
-skipped. The JSON is rewritten after every row; the tables come last.
+skipped. The JSON is rewritten after every row; the tables come last, with the never-slower checks (`checks` in the
+JSON): each profile's attached eager row against the host eager, its attached compiled row against the host
+compiled (and its ratio to the peer where that ran), "ok" at 1.0x or more, else "SLOWER than the host".
 
     python tools/bench_model.py --model wan480 [--profiles default,int8_balance_sage,fp8_balance_proj]
         [--rows host_eager,host_compiled,attached_eager,attached_compiled,peer_compiled] [--steps 3] [--warmup 1]
@@ -792,12 +794,34 @@ def main(argv: list[str] | None = None) -> int:
     if "peer_compiled" in args.rows:
         bench.run_row("peer_compiled", None, bench.peer_estimate_s(), bench.peer_compiled, peer_blocked(device))
 
+    report.data["checks"] = never_slower(report.data["rows"])
     report.data["finished"] = True
     report.data["elapsed_s"] = time.monotonic() - START
     report.save()
     print_tables(report.data)
     print(f"wrote {args.json}", flush=True)
     return 0
+
+
+CHECKED = {"attached eager": ("host eager", "x_host_eager"), "attached compiled": ("host compiled", "x_host_compiled")}
+"""The rows that must not be slower than the host's, and the host row and ratio each is held to."""
+
+
+def never_slower(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per profile, whether the attached rows were at least as fast as the host's (eager against eager, compiled
+    against compiled: issue 28 asks never slower), and the attached compiled row against the peer where both ran."""
+    done = {(r["row"], r["profile"]): r for r in rows if r.get("status") == "ok"}
+    peer = done.get(("peer compiled", None))
+    checks = []
+    for (name, profile), r in done.items():
+        if name not in CHECKED or r.get(CHECKED[name][1]) is None:
+            continue
+        against, key = CHECKED[name]
+        check = {"row": name, "profile": profile, "against": against, "x": r[key], "ok": r[key] >= 1.0}
+        if name == "attached compiled" and peer is not None:
+            check["x_peer"] = peer["ms"] / r["ms"]
+        checks.append(check)
+    return checks
 
 
 def built(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, dict[str, Any], dict[str, Any]]:
@@ -877,6 +901,10 @@ def print_tables(data: dict[str, Any]) -> None:
         ("x eager", "7.3f", lambda r: r.get("x_host_eager")), ("x comp.", "7.3f", lambda r: r.get("x_host_compiled")),
         ("cos vs eager", "12.7f", lambda r: r.get("cos_vs_host_eager")),
         ("steps ms", "s", lambda r: " ".join(f"{t:.0f}" for t in r.get("steps_ms", [])))])
+    for c in data.get("checks", []):
+        peer = f", {c['x_peer']:.3f}x the peer" if "x_peer" in c else ""
+        print(f"check: {c['row']} ({c['profile']}) {c['x']:.3f}x the {c['against']}{peer}: "
+              f"{'ok' if c['ok'] else 'SLOWER than the host'}")
     if not data["profiles"]:
         return
     print(f"\n{'profile':18} {'attach s':>8} {'receipt s':>9} {'peak+ GB':>8} {'resid. GB':>9} {'b/d/r/h':>11} "
