@@ -82,6 +82,18 @@ def test_bench_drift_tiny(model, tmp_path, fresh_clock):
         assert finite(r["psnr_db_vs_host"]) or (r["psnr_db_vs_host"] is None and r["exact"])
     assert rows["attached"]["detach_state_dict_equal"]
     assert rows["peer"]["status"] == f"skipped: {peer_skip_reason()}"
+    assert data["check"] is None  # the peer did not run on the CPU: nothing to hold the attached drift to
+
+
+def test_the_drift_check_holds_the_attached_run_to_the_peer_s():
+    ok = {"status": "ok"}
+    rows = [{**ok, "row": "host", "cos_vs_host": 1.0, "psnr_db_vs_host": None},
+            {**ok, "row": "attached", "cos_vs_host": 0.9999, "psnr_db_vs_host": 45.0},
+            {**ok, "row": "peer", "cos_vs_host": 0.998, "psnr_db_vs_host": 38.0}]
+    assert bench_drift.no_worse_than_the_peer(rows) == {"cos_attached": 0.9999, "cos_peer": 0.998, "ok": True}
+    rows[1]["psnr_db_vs_host"] = 30.0  # closer by cosine, further by PSNR: worse
+    assert bench_drift.no_worse_than_the_peer(rows)["ok"] is False
+    assert bench_drift.no_worse_than_the_peer(rows[:2]) is None
 
 
 def test_psnr():

@@ -23,6 +23,8 @@ attached_compiled row). Per variant: the loop's seconds
 and median ms per step, the final latent's cosine (float64, all latents together) and PSNR against the host's final
 latent, PSNR = 10 log10(R^2 / MSE) with R the host final latent's range (max - min), float64 (null, with `exact`
 true, where the two are bit-equal), and the cosine after every step against the host's latent after the same step.
+Where the attached and peer variants both ran, `check` says whether the attached drift is no worse than the peer's
+(final cosine, and PSNR where both have one).
 
     python tools/bench_drift.py --model flux [--profile default] [--variants host,attached,peer] [--steps 30]
         [--compile] [--budget-s 540] [--json bench_drift_flux.json]
@@ -198,12 +200,27 @@ def main(argv: list[str] | None = None) -> int:
         build_s = report.data["model"]["build_s"]
         drift.variant("peer", build_s + 2 * drift.compile_s + drift.loop_estimate_s(), drift.run_peer,
                       bm.peer_blocked(device))
+    report.data["check"] = no_worse_than_the_peer(report.data["rows"])
     report.data["finished"] = True
     report.data["elapsed_s"] = time.monotonic() - bm.START
     report.save()
     print_table(report.data)
     print(f"wrote {args.json}", flush=True)
     return 0
+
+
+def no_worse_than_the_peer(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Issue 28's drift rule: the attached final latent no further from the host's than the peer's, by cosine (and
+    PSNR where both have one); None unless both ran."""
+    done = {r["row"]: r for r in rows if r.get("status") == "ok"}
+    attached, peer = done.get("attached"), done.get("peer")
+    if attached is None or peer is None:
+        return None
+    check = {"cos_attached": attached["cos_vs_host"], "cos_peer": peer["cos_vs_host"],
+             "ok": attached["cos_vs_host"] >= peer["cos_vs_host"]}
+    if attached.get("psnr_db_vs_host") is not None and peer.get("psnr_db_vs_host") is not None:
+        check["ok"] = check["ok"] and attached["psnr_db_vs_host"] >= peer["psnr_db_vs_host"]
+    return check
 
 
 def print_table(data: dict[str, Any]) -> None:
@@ -213,6 +230,10 @@ def print_table(data: dict[str, Any]) -> None:
         ("cos vs host", "12.7f", lambda r: r.get("cos_vs_host")),
         ("PSNR dB", "8.2f", lambda r: r.get("psnr_db_vs_host")),
         ("min cos/step", "12.7f", lambda r: min(r["cos_per_step"]))], first="variant", width=10)
+    check = data.get("check")
+    if check is not None:
+        print(f"check: attached drift {'no worse than' if check['ok'] else 'WORSE than'} the peer's (final cos "
+              f"{check['cos_attached']:.7f} vs {check['cos_peer']:.7f})")
 
 
 if __name__ == "__main__":
