@@ -57,6 +57,21 @@ def test_refusals_name_the_reason():
         assert "head_dim 64 or 128; got 96" in sage2_cuda.cuda_refusal(qc[..., :96], "fp8")
 
 
+def test_the_split_plan_shortens_an_uneven_last_wave_only():
+    """Flux's joint attention (B1 H24 S4608) makes 576 tiles of 36 key blocks on 132 SMs: 4.4 waves. The last 48
+    tiles run in two halves (a modelled 190 -> 173 blocks); an even count of waves, causal tiles, and many waves
+    stay whole; a few tiles of a long sequence split into more parts."""
+    plan = sage2_cuda.split_plan(576, 36, 132, False)
+    assert (plan.whole, plan.parts, plan.part_rows) == (528, 2, 48 * 2 * 192) and plan.splits
+    assert not sage2_cuda.split_plan(1056, 32, 132, False).splits   # B2 H24 S4096: eight whole waves
+    assert not sage2_cuda.split_plan(576, 36, 132, True).splits     # causal
+    assert not sage2_cuda.split_plan(16 * 132 + 5, 36, 132, False).splits
+    assert not sage2_cuda.split_plan(24, 3, 132, False).splits       # parts of under two key blocks
+    few = sage2_cuda.split_plan(86, 64, 132, False)
+    assert few.whole == 0 and few.parts >= 3
+    assert sage2_cuda._makespan(few.whole, 86, few.parts, 64, 132) < sage2_cuda._makespan(86, 86, 1, 64, 132)
+
+
 def test_fp16_staging_must_carry_vs_padded_copy():
     """The fp16 P.V reads V through TMA as one padded fp16 tensor: staging that passes the caller's V through (the
     Triton kernel's) is refused by name, before anything is built or launched."""
@@ -86,14 +101,19 @@ def test_the_source_compiles_for_sm90a_with_the_nvcc_found_here(tmp_path, monkey
         launch = sage2_cuda.launcher(built.library)
         shapes = (1, 2, 2, 64, 64, 128, 128)  # batch, hq, hkv, sq, sq_pad, skv, skv_pad
         with pytest.raises(RuntimeError, match=r"refused the launch: head_dim must be 64 or 128$"):
-            launch(0, 0, 0, 0, 0, 0, 0, 0, 1, *shapes, 96, 0, 0, 0, 0, 0, 0)
+            launch(0, 0, 0, 0, 0, 0, 0, 0, 1, *shapes, 96, 0, 0, 0, 0, 0, 2, 1, 0, 0, 0)
         with pytest.raises(RuntimeError, match=r"query heads must be a multiple of key/value heads$"):
-            launch(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 3, 2, 64, 64, 128, 128, 128, 0, 0, 0, 0, 0, 0)
+            launch(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 3, 2, 64, 64, 128, 128, 128, 0, 0, 0, 0, 0, 3, 1, 0, 0, 0)
         # V's scales go with FP8 P.V (pv_fp16 = 0) and only with it
         with pytest.raises(RuntimeError, match=r"v_scale is for FP8 P.V only: pass it exactly then$"):
-            launch(0, 0, 0, 0, 0, 0, 0, 0, 1, *shapes, 128, 0, 0, 0, 0, 0, 0)
+            launch(0, 0, 0, 0, 0, 0, 0, 0, 1, *shapes, 128, 0, 0, 0, 0, 0, 2, 1, 0, 0, 0)
         with pytest.raises(RuntimeError, match=r"v_scale is for FP8 P.V only: pass it exactly then$"):
-            launch(0, 0, 0, 0, 0, 8, 0, 0, 1, *shapes, 128, 0, 0, 0, 0, 1, 0)
+            launch(0, 0, 0, 0, 0, 8, 0, 0, 1, *shapes, 128, 0, 0, 0, 0, 1, 2, 1, 0, 0, 0)
+        # the work split: its parts need scratch, and causal tiles are never split
+        with pytest.raises(RuntimeError, match=r"the work split is invalid \(0 <= n_full <= tiles; for the rest"):
+            launch(0, 0, 0, 0, 0, 8, 0, 0, 1, *shapes, 128, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0)
+        with pytest.raises(RuntimeError, match=r"the work split is invalid"):
+            launch(0, 0, 0, 0, 0, 8, 0, 0, 1, *shapes, 128, 0, 0, 0, 1, 0, 0, 2, 8, 8, 0)
     finally:
         forget_builds()
 
@@ -276,3 +296,29 @@ def test_tensors_on_another_device_than_the_current_one():
     with torch.cuda.device(0):  # the current device stays 0; the tensors live on cuda:1
         on1 = sage2_cuda.sage2_cuda_attention(q.to("cuda:1"), q.to("cuda:1"), q.to("cuda:1"))
     assert on1.device == torch.device("cuda:1") and torch.equal(on1.cpu(), on0.cpu())
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("pv", ["fp8", "fp16"])
+@pytest.mark.parametrize("b,hq,hkv,sq,skv,d", [(1, 24, 24, 4608, 4608, 128), (1, 4, 2, 1000, 777, 64),
+                                               (1, 2, 1, 8000, 8192, 128)])
+def test_split_tiles_give_the_unsplit_kernels_output_and_log_sum_exp(b, hq, hkv, sq, skv, d, pv):
+    """Where the plan splits tiles (the last wave, or every tile of a small call), their merged parts give the output
+    and log-sum-exp of the tiles run whole, to fp32 merging's rounding; a pool serves the parts' scratch."""
+    from flash_catalog.kernels.staging import StagingPool
+
+    g = torch.Generator(device="cuda").manual_seed(sq + d)
+    q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
+    k = torch.randn(b, hkv, skv, d, device="cuda", dtype=torch.bfloat16, generator=g) + 0.5
+    v = torch.randn(b, hkv, skv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    assert sage2_cuda.plan_for(tuple(q.shape), skv, False, q.device).splits
+    staged = quantize_qkv(q, k, v, sm_scale=d ** -0.5, pv=pv, block_m=64, block_n=128,
+                          **sage2_cuda.staging_options(pv))
+    lse_whole, lse_split = (torch.empty(q.shape[:-1], device="cuda") for _ in range(2))
+    whole = sage2_cuda.sage2_cuda_staged(staged, out_dtype=q.dtype, lse=lse_whole, split=False)
+    pool = StagingPool()
+    split = sage2_cuda.sage2_cuda_staged(staged, out_dtype=q.dtype, lse=lse_split, staging=pool)
+    assert {key.name for key in pool._buffers} == {"split_o", "split_lse"}
+    assert _rel_l2(split, whole) < 4e-3 and (lse_split - lse_whole).abs().max() < 1e-4
+    assert torch.equal(split, sage2_cuda.sage2_cuda_attention(q, k, v, pv=pv))

@@ -23,7 +23,7 @@ class _Sage2Cuda(AttentionForm):
     def build(self, call: AttentionCall) -> Runner:
         run = functools.partial(run_op, sage2_cuda_attention_op, sage2_cuda_attention_lse_op, self.pv)
         return staged_runner(run, f"INT8 QK, {self.pv.upper()} PV, CUDA kernel", call, self.staging,
-                             lambda: staging_keys(call.query, call.key, self.pv))
+                             lambda: staging_keys(call.query, call.key, self.pv, call.is_causal))
 
 
 class Sage2Fp8Cuda(_Sage2Cuda):

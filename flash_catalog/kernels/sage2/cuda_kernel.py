@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import heapq
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,9 @@ from ..staging import StagingKey, StagingPool
 
 SOURCE = Path(__file__).with_name("cuda") / "sage2_sm90.cu"
 STAGING_TILES = (64, 128)  # (block_m, block_n): Q scales per consumer warpgroup's 64 rows, K scales per 128 keys
+CTA_ROWS = 192  # query rows of one CTA: three consumer warpgroups of 64
+CTA_FIXED_BLOCKS = 2  # a CTA's fixed cost (Q load, pipeline fill, epilogue) in key blocks' time, for the split plan
+MAX_SPLIT_WAVES = 16  # from this many waves of tiles on, an uneven last wave costs under 1/16: never split
 
 
 def build() -> CudaBuild:
@@ -51,10 +55,86 @@ def cuda_refusal(q: torch.Tensor, pv: str) -> str | None:
     return why if why is not None else build().refusal()
 
 
-def staging_keys(q: torch.Tensor, k: torch.Tensor, pv: str) -> tuple[StagingKey, ...]:
-    """The pool keys a `sage2_cuda_attention(q, k, v, pv=pv, staging=pool)` call draws."""
-    return staging_keys_of(q, k, pv=pv, block_m=STAGING_TILES[0], block_n=STAGING_TILES[1],
-                           v_fp16=pv == "fp16")
+@dataclass(frozen=True)
+class SplitPlan:
+    """How the kernel's tiles (CTA_ROWS query rows of one head each) are run: the first `whole` over all their key
+    blocks, each later one as `parts` CTAs over consecutive shares of them, merged by the combine kernel after."""
+
+    tiles: int
+    whole: int
+    parts: int
+
+    @property
+    def splits(self) -> bool:
+        return self.whole < self.tiles
+
+    @property
+    def part_rows(self) -> int:
+        """Rows of the partial-output scratch: CTA_ROWS per part CTA."""
+        return (self.tiles - self.whole) * self.parts * CTA_ROWS
+
+
+def _makespan(whole: int, tiles: int, parts: int, n_kv: int, sms: int) -> int:
+    """The time, in key blocks, by which `sms` SMs finish the CTAs in launch order (each taken by the SM free first):
+    `whole` tiles of n_kv blocks, then the rest as `parts` CTAs each, every CTA CTA_FIXED_BLOCKS more; a split adds
+    one block for the combine kernel."""
+    free = [0] * min(sms, max(whole + (tiles - whole) * parts, 1))
+    costs = [n_kv] * whole + [n_kv * (p + 1) // parts - n_kv * p // parts for _ in range(tiles - whole)
+                              for p in range(parts)]
+    for cost in costs:
+        heapq.heapreplace(free, free[0] + cost + CTA_FIXED_BLOCKS)
+    return max(free) + (1 if whole < tiles else 0)
+
+
+@functools.lru_cache(maxsize=256)
+def split_plan(tiles: int, n_kv: int, sms: int, causal: bool) -> SplitPlan:
+    """The plan with the shortest modelled makespan: no split, or the tiles of the last partial wave (or of it and
+    the wave before) in 2-4 parts of at least two key blocks each. Causal tiles are never split (their lengths
+    differ, and the launch order already balances them)."""
+    plain = SplitPlan(tiles, tiles, 1)
+    if causal or tiles % sms == 0 or tiles >= MAX_SPLIT_WAVES * sms:
+        return plain
+    best, best_time = plain, _makespan(tiles, tiles, 1, n_kv, sms)
+    for whole in {max(tiles // sms * sms - back * sms, 0) for back in (0, 1)}:
+        for parts in range(2, 5):
+            if n_kv < 2 * parts:
+                break
+            span = _makespan(whole, tiles, parts, n_kv, sms)
+            if span < best_time:
+                best, best_time = SplitPlan(tiles, whole, parts), span
+    return best
+
+
+def plan_for(q_shape: tuple[int, ...], seq_kv: int, causal: bool, device: torch.device) -> SplitPlan:
+    """The split plan of a call with queries of `q_shape` (B, Hq, Sq, D) on `device` (its SM count)."""
+    bsz, hq, sq = (int(n) for n in q_shape[:3])
+    tiles = math.ceil(math.ceil(sq / STAGING_TILES[0]) * STAGING_TILES[0] / CTA_ROWS) * bsz * hq
+    return split_plan(tiles, math.ceil(seq_kv / STAGING_TILES[1]), _sm_count(device), causal)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _split_scratch(plan: SplitPlan, d: int, device: torch.device,
+                   pool: StagingPool | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split's partial outputs (rows x d) and log-sum-exps (rows), float32: the pool's buffers, or fresh."""
+    if pool is None:
+        return (torch.empty((plan.part_rows, d), dtype=torch.float32, device=device),
+                torch.empty((plan.part_rows,), dtype=torch.float32, device=device))
+    return (pool.get("split_o", (plan.part_rows, d), torch.float32, device, "cuda"),
+            pool.get("split_lse", (plan.part_rows,), torch.float32, device, "cuda"))
+
+
+def staging_keys(q: torch.Tensor, k: torch.Tensor, pv: str, is_causal: bool = False) -> tuple[StagingKey, ...]:
+    """The pool keys a `sage2_cuda_attention(q, k, v, pv=pv, is_causal=is_causal, staging=pool)` call draws."""
+    keys = staging_keys_of(q, k, pv=pv, block_m=STAGING_TILES[0], block_n=STAGING_TILES[1], v_fp16=pv == "fp16")
+    plan = plan_for(tuple(q.shape), k.shape[2], is_causal, q.device)
+    if not plan.splits:
+        return keys
+    return keys + (StagingKey("split_o", (plan.part_rows, q.shape[-1]), torch.float32, q.device, "cuda"),
+                   StagingKey("split_lse", (plan.part_rows,), torch.float32, q.device, "cuda"))
 
 
 @dataclass(frozen=True)
@@ -77,7 +157,7 @@ def launcher(lib: ctypes.CDLL) -> Launcher:
     """The typed launcher of a loaded kernel library (`build().library`; one per library)."""
     launch, error = lib.fc_sage2_sm90, lib.fc_sage2_sm90_error
     p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
-    launch.argtypes = [p, p, p, p, p, p, p, p, i, i, i, i, i, i, i, i, i, ll, ll, ll, i, i, p]
+    launch.argtypes = [p, p, p, p, p, p, p, p, i, i, i, i, i, i, i, i, i, ll, ll, ll, i, i, i, i, p, p, p]
     launch.restype = i
     error.argtypes = []
     error.restype = ctypes.c_char_p
@@ -85,12 +165,14 @@ def launcher(lib: ctypes.CDLL) -> Launcher:
 
 
 def sage2_cuda_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, is_causal: bool = False,
-                      lse: torch.Tensor | None = None) -> torch.Tensor:
+                      lse: torch.Tensor | None = None, split: bool = True,
+                      staging: StagingPool | None = None) -> torch.Tensor:
     """Run the CUDA kernel on `quantize_qkv(..., block_m=64, block_n=128)` staging, made with `v_mma_order=True` for
     pv="fp8" or `v_fp16=True` for pv="fp16"; returns a new (B, Hq, Sq, D) tensor in `out_dtype` (fp16 or bf16).
     `lse` ((B, Hq, Sq) float32, contiguous, on the staging's device): the kernel also writes each row's natural
     log-sum-exp of the scores it saw, those of K less its token mean (`sage2_cuda_attention(return_lse=True)` adds
-    the rest back)."""
+    the rest back). `split`: run the last wave's tiles in parts where `split_plan` says that is faster (their
+    scratch from `staging`, or fresh); False runs every tile whole."""
     if staged.pv not in ("fp8", "fp16") or (staged.block_m, staged.block_n) != STAGING_TILES:
         raise ValueError(f"the CUDA kernel needs pv='fp8' or 'fp16' staging with tiles {STAGING_TILES}; got pv="
                          f"{staged.pv!r}, tiles ({staged.block_m}, {staged.block_n})")
@@ -114,6 +196,10 @@ def sage2_cuda_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, is_causal:
         return out
     fp16 = staged.pv == "fp16"
     v_scale = staged.v_scale.data_ptr() if staged.v_scale is not None else None  # pv="fp8" always carries it
+    plan = plan_for(tuple(out.shape), staged.seq_kv, is_causal, out.device)
+    if not split or not plan.splits:
+        plan = SplitPlan(plan.tiles, plan.tiles, 1)
+    part_o, part_lse = _split_scratch(plan, d, out.device, staging) if plan.splits else (None, None)
     # the library's own (static) CUDA runtime launches in the thread's current context: make it the tensors' device,
     # which torch's kernels do not (they guard the device themselves), e.g. for a rank's model on cuda:1
     with torch.cuda.device(out.device):
@@ -122,7 +208,8 @@ def sage2_cuda_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, is_causal:
             staged.k_scale.data_ptr(), v_scale, out.data_ptr(),
             lse.data_ptr() if lse is not None else None, int(out_dtype == torch.bfloat16),
             bsz, hq, hkv, staged.seq_q, sq_pad, staged.seq_kv, skv_pad, d,
-            out.stride(0), out.stride(1), out.stride(2), int(is_causal), int(fp16),
+            out.stride(0), out.stride(1), out.stride(2), int(is_causal), int(fp16), plan.whole, plan.parts,
+            part_o.data_ptr() if part_o is not None else None, part_lse.data_ptr() if part_lse is not None else None,
             torch.cuda.current_stream(out.device).cuda_stream)
     return out
 
@@ -146,7 +233,7 @@ def sage2_cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
     staged = quantize_qkv(q, k, v, sm_scale=sm_scale, pv=pv, block_m=STAGING_TILES[0], block_n=STAGING_TILES[1],
                           validate=False, staging=staging, **staging_options(pv))
     if not return_lse:
-        return sage2_cuda_staged(staged, out_dtype=q.dtype, is_causal=is_causal)
+        return sage2_cuda_staged(staged, out_dtype=q.dtype, is_causal=is_causal, staging=staging)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    out = sage2_cuda_staged(staged, out_dtype=q.dtype, is_causal=is_causal, lse=lse)
+    out = sage2_cuda_staged(staged, out_dtype=q.dtype, is_causal=is_causal, lse=lse, staging=staging)
     return out, add_key_mean(lse, q, staged, sm_scale)

@@ -258,6 +258,13 @@ struct Params {
   float* lse;            // (B, Hq, Sq) natural log-sum-exp of the scores seen (K less its mean), or null
   long long stride_ob, stride_oh, stride_os;
   int hq, hkv, sq, skv, n_qb, n_kb, out_bf16;
+  // Work split: tile t (of n_tiles = n_mb * B * Hq, m-block fastest) runs whole for t < n_full; each later tile runs
+  // as n_split CTAs over consecutive ranges of its key blocks, which write their normalised partial output
+  // (part_o, fp32, kRows x D per CTA) and log2-domain log-sum-exp (part_lse) for combine_kernel to merge. That
+  // shortens the last wave where the tiles do not fill the GPU's SMs evenly. n_split = 1: no split.
+  int n_mb, n_tiles, n_full, n_split;
+  float* part_o;
+  float* part_lse;
 };
 
 template <int D, int NC, int STAGES, bool PV16>
@@ -411,14 +418,22 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
   using Smem = SharedStorage<D, NC, STAGES, PV16>;
   Smem& sm = *reinterpret_cast<Smem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
 
-  const int m_block = CAUSAL ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x);
-  const int bh = blockIdx.y;
+  const int cta = static_cast<int>(blockIdx.x);
+  const bool split = cta >= prm.n_full;
+  const int tile = split ? prm.n_full + (cta - prm.n_full) / prm.n_split : cta;
+  const int part = split ? (cta - prm.n_full) % prm.n_split : 0;
+  const int mb = tile % prm.n_mb;
+  const int m_block = CAUSAL ? prm.n_mb - 1 - mb : mb;  // causal: a head's longest rows first
+  const int bh = tile / prm.n_mb;
   const int b = bh / prm.hq;
   const int h = bh % prm.hq;
   const int bhk = b * prm.hkv + h / (prm.hq / prm.hkv);
   const int m_base = m_block * kRows;
   int n_kv = (prm.skv + kBlockN - 1) / kBlockN;
   if constexpr (CAUSAL) n_kv = min(n_kv, (min(m_base + kRows, prm.sq) - 1) / kBlockN + 1);
+  // this CTA's key blocks [j0, j0 + n_loc): all of them, or its part's share (the host splits non-causal tiles only)
+  const int j0 = split ? part * n_kv / prm.n_split : 0;
+  const int n_loc = (split ? (part + 1) * n_kv / prm.n_split : n_kv) - j0;
 
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
@@ -442,9 +457,10 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
       mbar_expect_tx(&sm.q_full, kRows * D);
 #pragma unroll
       for (int i = 0; i < NC; ++i) tma_load_3d(sm.q + i * 64 * D, &tm_q, &sm.q_full, 0, m_base + 64 * i, bh);
-      for (int j = 0; j < n_kv; ++j) {
-        const int slot = j % STAGES;
-        mbar_wait(&sm.empty[slot], ((j / STAGES) & 1) ^ 1);
+      for (int jj = 0; jj < n_loc; ++jj) {
+        const int j = j0 + jj;
+        const int slot = jj % STAGES;
+        mbar_wait(&sm.empty[slot], ((jj / STAGES) & 1) ^ 1);
         mbar_expect_tx(&sm.full[slot], (PV16 ? 3 : 2) * kBlockN * D);
         tma_load_3d(sm.k[slot], &tm_k, &sm.full[slot], 0, j * kBlockN, bhk);
         if constexpr (PV16) {  // byte columns [128 i, 128 i + 128) of V's 2D-byte rows: 64 values of D each
@@ -482,21 +498,22 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
   float alpha[2];
 
   mbar_wait(&sm.q_full, 0);
-  // every consumer runs n_kv blocks, so the token's ring stays whole; the last consumer hands the first its first turn
+  // every consumer runs n_loc blocks, so the token's ring stays whole; the last consumer hands the first its first turn
   if (cw == NC - 1) bar_arrive_256(1);
   // Per key block: Q.K^T, the softmax, then FP8 P.V into a fresh fp32 block and O = O * alpha + block, or O *= alpha
   // and fp16 P.V into O. The other consumers' MMAs fill the tensor cores while this one runs its exponentials
   // (the token keeps the three softmaxes apart).
-  for (int j = 0; j < n_kv; ++j) {
-    const int slot = j % STAGES;
-    mbar_wait(&sm.full[slot], (j / STAGES) & 1);
+  for (int jj = 0; jj < n_loc; ++jj) {
+    const int j = j0 + jj;
+    const int slot = jj % STAGES;
+    mbar_wait(&sm.full[slot], (jj / STAGES) & 1);
     wgmma_fence();
     qk_block<D>(s, desc_q, smem_desc(sm.k[slot], D));
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs(s);
     const float c = q_scale * k_scale[j];
-    const Turn turn{1 + cw, 1 + (cw + 1) % NC, !(cw == NC - 1 && j == n_kv - 1), smem_u32(&sm.zero_f32),
+    const Turn turn{1 + cw, 1 + (cw + 1) % NC, !(cw == NC - 1 && jj == n_loc - 1), smem_u32(&sm.zero_f32),
                     smem_u32(&sm.int_min)};
     if (j < n_plain) {
       softmax_block<false, CAUSAL, PV16>(s, c, m, l, alpha, p, j * kBlockN, r0, prm.skv, turn);
@@ -536,6 +553,25 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
   const float inv_l[2] = {1.0f / l[0], 1.0f / l[1]};
   const float* v_scale = PV16 ? nullptr : prm.v_scale + static_cast<long long>(bhk) * D;
   const int t = lane & 3;
+  if (split) {  // this part's rows, normalised, and their log2-domain log-sum-exp (P's 448 included)
+    const long long unit = cta - prm.n_full;  // (tile - n_full) * n_split + part
+    float* part_o = prm.part_o + unit * kRows * D;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int row = r0 + 8 * hh;
+      if (row >= prm.sq) continue;
+      const int local = row - m_base;
+      if (t == 0) prm.part_lse[unit * kRows + local] = m[hh] + log2f(l[hh]);
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j) {
+        const int d = 8 * j + 2 * t;
+        const float2 vs = PV16 ? make_float2(1.0f, 1.0f) : *reinterpret_cast<const float2*>(v_scale + d);
+        *reinterpret_cast<float2*>(part_o + local * D + d) =
+            make_float2(o[4 * j + 2 * hh] * vs.x * inv_l[hh], o[4 * j + 2 * hh + 1] * vs.y * inv_l[hh]);
+      }
+    }
+    return;
+  }
   if (prm.lse != nullptr && t == 0) {  // m is log2-domain, l carries P's 448: back to a natural log
     float* lse_bh = prm.lse + static_cast<long long>(bh) * prm.sq;
 #pragma unroll
@@ -569,6 +605,55 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
       *reinterpret_cast<uint32_t*>(out_row + d * esize) = packed;
     }
   }
+}
+
+// The split tiles' parts merged, one warp per query row: each part's output weighted by 2^(its lse - the max),
+// written as the unsplit kernel writes it (output, and the natural log-sum-exp where asked).
+template <int D, int NC>
+__global__ void __launch_bounds__(128) combine_kernel(const Params prm) {
+  constexpr int kRows = 64 * NC;
+  constexpr int kPer = D / 32;  // channels per lane
+  const long long warp = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (warp >= static_cast<long long>(prm.n_tiles - prm.n_full) * kRows) return;
+  const int ti = static_cast<int>(warp / kRows);
+  const int local = static_cast<int>(warp % kRows);
+  const int tile = prm.n_full + ti;
+  const int row = (tile % prm.n_mb) * kRows + local;
+  if (row >= prm.sq) return;
+  const int bh = tile / prm.n_mb;
+  const long long unit0 = static_cast<long long>(ti) * prm.n_split;
+  float top = -INFINITY;
+  for (int p = 0; p < prm.n_split; ++p) top = fmaxf(top, prm.part_lse[(unit0 + p) * kRows + local]);
+  float acc[kPer];
+#pragma unroll
+  for (int e = 0; e < kPer; ++e) acc[e] = 0.0f;
+  float total = 0.0f;
+  for (int p = 0; p < prm.n_split; ++p) {
+    const float w = exp2f(prm.part_lse[(unit0 + p) * kRows + local] - top);
+    total += w;
+    const float* src = prm.part_o + ((unit0 + p) * kRows + local) * D + lane * kPer;
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) acc[e] = fmaf(w, src[e], acc[e]);
+  }
+  const float inv = 1.0f / total;
+  char* out_row = static_cast<char*>(prm.out) +
+                  (static_cast<long long>(bh / prm.hq) * prm.stride_ob + static_cast<long long>(bh % prm.hq) *
+                   prm.stride_oh + static_cast<long long>(row) * prm.stride_os) * 2;
+#pragma unroll
+  for (int e = 0; e < kPer; e += 2) {
+    uint32_t packed;
+    if (prm.out_bf16) {
+      __nv_bfloat162 y = __floats2bfloat162_rn(acc[e] * inv, acc[e + 1] * inv);
+      packed = *reinterpret_cast<uint32_t*>(&y);
+    } else {
+      __half2 y = __floats2half2_rn(acc[e] * inv, acc[e + 1] * inv);
+      packed = *reinterpret_cast<uint32_t*>(&y);
+    }
+    *reinterpret_cast<uint32_t*>(out_row + (lane * kPer + e) * 2) = packed;
+  }
+  if (prm.lse != nullptr && lane == 0)
+    prm.lse[static_cast<long long>(bh) * prm.sq + row] = (top + log2f(total) - kLog2PScale) * 0.6931471805599453f;
 }
 
 // ------------------------------------------------------------------------------------------------------------------
@@ -617,10 +702,16 @@ int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, 
   const int smem = static_cast<int>(sizeof(SharedStorage<D, NC, STAGES, PV16>)) + 1024;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return fail(3, cudaGetErrorString(err));
-  const dim3 grid((sq_pad + 64 * NC - 1) / (64 * NC), batch * prm.hq);
-  kernel<<<grid, 128 * (NC + 1), smem, stream>>>(tq, tk, tv, prm);
+  const int ctas = prm.n_full + (prm.n_tiles - prm.n_full) * prm.n_split;
+  kernel<<<ctas, 128 * (NC + 1), smem, stream>>>(tq, tk, tv, prm);
   err = cudaGetLastError();
   if (err != cudaSuccess) return fail(4, cudaGetErrorString(err));
+  if (prm.n_full < prm.n_tiles) {
+    const long long threads = static_cast<long long>(prm.n_tiles - prm.n_full) * 64 * NC * 32;
+    combine_kernel<D, NC><<<static_cast<unsigned>((threads + 127) / 128), 128, 0, stream>>>(prm);
+    err = cudaGetLastError();
+    if (err != cudaSuccess) return fail(4, cudaGetErrorString(err));
+  }
   return 0;
 }
 
@@ -649,18 +740,30 @@ const char* fc_sage2_sm90_error() { return g_error; }
 // (B, Hkv, D), with pv_fp16 = 1 (pv="fp16", v_fp16=True) V (B, Hkv, skv_pad, D) fp16 and no v_scale (null); all
 // contiguous; out (B, Hq, sq, D) fp16 or bf16 with unit stride along D; lse, where not null, (B, Hq, sq) float32
 // gets each row's natural log-sum-exp of the scaled scores against K less its token mean (the caller adds
-// scale * q . mean(K) back).
+// scale * q . mean(K) back). n_full, n_split: the work split (see Params; n_full = the tile count and n_split = 1
+// for none; non-causal only), part_o ((tiles - n_full) * n_split, 192, D) and part_lse ((tiles - n_full) * n_split,
+// 192) float32 its scratch, null without a split; tiles = ceil(sq_pad / 192) * batch * hq.
 // Returns 0, or a nonzero code with fc_sage2_sm90_error() saying why.
 int fc_sage2_sm90(const void* q8, const void* k8, const void* v, const float* q_scale, const float* k_scale,
                   const float* v_scale, void* out, float* lse, int out_bf16, int batch, int hq, int hkv, int sq,
                   int sq_pad, int skv, int skv_pad, int head_dim, long long stride_ob, long long stride_oh,
-                  long long stride_os, int causal, int pv_fp16, void* stream) {
+                  long long stride_os, int causal, int pv_fp16, int n_full, int n_split, float* part_o,
+                  float* part_lse, void* stream) {
   if (head_dim != 64 && head_dim != 128) return fail(1, "head_dim must be 64 or 128");
   if (hkv <= 0 || hq % hkv != 0) return fail(1, "query heads must be a multiple of key/value heads");
   if (sq <= 0 || skv <= 0 || sq_pad % 64 != 0 || skv_pad % kBlockN != 0 || sq_pad < sq || skv_pad < skv)
     return fail(1, "sequence lengths or their padding are invalid (sq_pad: multiple of 64, skv_pad: of 128)");
   if (batch * hq > 65535) return fail(1, "batch x heads exceeds 65535");
   if ((v_scale == nullptr) != (pv_fp16 != 0)) return fail(1, "v_scale is for FP8 P.V only: pass it exactly then");
+  constexpr int kConsumers = 3;  // two measured 10-20% slower on the H200, also taking turns FA3-style
+  const int n_mb = (sq_pad + 64 * kConsumers - 1) / (64 * kConsumers);
+  const long long n_tiles = static_cast<long long>(n_mb) * batch * hq;
+  const long long n_kv = (skv + kBlockN - 1) / kBlockN;
+  const bool splits = n_full < n_tiles;
+  if (n_full < 0 || n_full > n_tiles || n_split < 1 || (splits && (n_split < 2 || n_split > n_kv || causal ||
+      part_o == nullptr || part_lse == nullptr)) || n_full + (n_tiles - n_full) * n_split > INT_MAX)
+    return fail(1, "the work split is invalid (0 <= n_full <= tiles; for the rest 2 <= n_split <= key blocks, "
+                   "non-causal, with part_o and part_lse)");
   if (encode_fn() == nullptr) return fail(2, "the driver offers no cuTensorMapEncodeTiled (CUDA 12+ driver needed)");
   CUtensorMap tq, tk, tv;
   const uint64_t d = static_cast<uint64_t>(head_dim);
@@ -670,9 +773,9 @@ int fc_sage2_sm90(const void* q8, const void* k8, const void* v, const float* q_
                 : make_map(&tv, v, skv_pad, d, uint64_t(batch) * hkv, kBlockN, head_dim)))
     return fail(2, "cuTensorMapEncodeTiled refused a staging tensor (alignment or size)");
   const Params prm{q_scale, k_scale, v_scale, out, lse, stride_ob, stride_oh, stride_os,
-                   hq, hkv, sq, skv, sq_pad / 64, skv_pad / kBlockN, out_bf16};
+                   hq, hkv, sq, skv, sq_pad / 64, skv_pad / kBlockN, out_bf16, n_mb,
+                   static_cast<int>(n_tiles), n_full, splits ? n_split : 1, part_o, part_lse};
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  constexpr int kConsumers = 3;  // two measured 10-20% slower on the H200, also taking turns FA3-style
   if (head_dim == 128) return launch_pv<128, kConsumers, 4>(tq, tk, tv, prm, batch, sq_pad, causal, pv_fp16, st);
   return launch_pv<64, kConsumers, 6>(tq, tk, tv, prm, batch, sq_pad, causal, pv_fp16, st);
 }
