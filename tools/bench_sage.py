@@ -4,7 +4,8 @@ Random bf16 inputs (B, H, S, D): B1 H32 S in {4096, 16384, 24576, 32768} D128 an
 shape: host `F.scaled_dot_product_attention` (default backend), the Triton kernels `sage2_attention(pv="fp8")`
 and `sage2_attention(pv="fp16")` (tiles given, so the Triton kernel runs) and, with --gluon, the Hopper Gluon
 kernel for both P.V modes (what kernel "auto" runs on sm_90 for D128, not causal), with --cuda the CUDA C++ kernel
-(`sage2_cuda`, both P.V modes; built with nvcc at first use), each timed with
+(`sage2_cuda`, both P.V modes; built with nvcc at first use; with --graph also its kernel alone replayed, with
+the last wave's tiles split as `split_plan` says and all whole), each timed with
 `triton.testing.do_bench` (median), plus the quantisation kernels alone (`quantize_qkv`) to give their share.
 Accuracy: cosine and relative L2 error against an fp32 SDPA reference. TFLOP/s counts 4*B*H*Sq*Skv*D (halved
 with --causal). With --graph, the host and the CUDA kernel's full path are also timed replayed from a CUDA graph:
@@ -146,7 +147,13 @@ def cuda_rows(q, k, v, causal, host_fn, host_ms, row, warmup: int, rep: int,
         graph = {}
         if host_graph_ms is not None:
             graph_ms = graphed_ms(fn, warmup, rep)
-            graph = {"graph_ms": graph_ms, "graph_ratio_vs_host": host_graph_ms / graph_ms}
+            plan = sage2_cuda.plan_for(tuple(q.shape), k.shape[2], causal, q.device)
+            graph = {"graph_ms": graph_ms, "graph_ratio_vs_host": host_graph_ms / graph_ms,
+                     "split": f"{plan.tiles - plan.whole} of {plan.tiles} tiles in {plan.parts}",
+                     "kernel_graph_ms": graphed_ms(lambda: sage2_cuda.sage2_cuda_staged(
+                         staged, out_dtype=q.dtype, is_causal=causal), warmup, rep),
+                     "kernel_whole_graph_ms": graphed_ms(lambda: sage2_cuda.sage2_cuda_staged(
+                         staged, out_dtype=q.dtype, is_causal=causal, split=False), warmup, rep)}
         rows.append(row(impl, ms, out, config=cfg, kernel_ms=kernel_ms, quant_ms=ms - kernel_ms,
                         quant_share=(ms - kernel_ms) / ms, ratio_vs_host=host_ms / ms,
                         rel_l2_vs_triton=accuracy(out, triton_out.float())["rel_l2"],
@@ -249,6 +256,9 @@ def print_table(rows: list[dict]) -> None:
               f"{fmt(100 * r['quant_share'] if 'quant_share' in r else None, '7.1f')} "
               f"{fmt(r.get('graph_ms'), '9.3f')} {fmt(r.get('graph_ratio_vs_host'), '8.3f')}"
               + (f"  ERROR {r['error']}" if "error" in r else ""))
+        if "kernel_graph_ms" in r:
+            print(f"{'':<24} kernel alone, replayed: {r['kernel_graph_ms']:.3f} ms as planned ({r['split']} parts), "
+                  f"{r['kernel_whole_graph_ms']:.3f} ms every tile whole")
 
 
 def main(argv: list[str] | None = None) -> int:
