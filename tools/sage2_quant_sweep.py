@@ -19,38 +19,20 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_sage import graphed_ms  # noqa: E402  (its import puts the repository on sys.path)
 from flash_catalog.kernels.sage2 import quant  # noqa: E402
 from flash_catalog.kernels.sage2.cuda_kernel import STAGING_TILES, staging_options  # noqa: E402
 from flash_catalog.kernels.staging import StagingPool  # noqa: E402
 
+WARMUP_MS, REP_MS = 25, 100  # do_bench's warm-up and measuring time per replayed graph
 STATS = [(256, 64, 8), (256, 32, 4), (128, 32, 4), (128, 64, 8), (256, 64, 4), (512, 32, 4), (64, 32, 4)]
 
 
-def replayed_us(fn, reps: int = 20) -> float:
-    """Median microseconds per call of `fn`, ten calls per captured graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(10):
-            fn()
-    for _ in range(5):
-        graph.replay()
-    times = []
-    for _ in range(reps):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end) * 100)  # ms per 10 calls -> us per call
-    return sorted(times)[len(times) // 2]
+def replayed_us(fn) -> float:
+    """Median microseconds of one call of `fn` replayed from a CUDA graph."""
+    return 1e3 * graphed_ms(fn, WARMUP_MS, REP_MS)
 
 
 def shape_rows(b: int, h: int, s: int, d: int) -> dict[str, float]:
