@@ -1,6 +1,7 @@
 """The sage2 quantisation's passes at short sequences, each replayed from a CUDA graph (GPU time alone): the K/V
 statistics pass at several (chunk, sub-tile, warps) settings and the Q pass at 4 and 8 warps, beside the whole
-`quantize_qkv` for the CUDA kernel (what the kernel path spends before attention) and cuDNN SDPA for scale.
+`quantize_qkv` for the CUDA kernel (what the kernel path spends before attention) and cuDNN SDPA for scale; the
+statistics and Q programs share one launch in `quantize_qkv` (`_stats_and_q_kernel`), timed here apart and together.
 
 Why: at Flux's B1 H24 S4608 D128 the statistics pass read K and V at about 2 TB/s (28 us of the quantisation's 72,
 nineteenth session), half the bandwidth the other passes reach; this says which setting reads fastest.
@@ -44,20 +45,28 @@ def shape_rows(b: int, h: int, s: int, d: int) -> dict[str, float]:
     row["quantize_qkv"] = replayed_us(lambda: quant.quantize_qkv(
         q, k, v, sm_scale=d ** -0.5, pv="fp8", block_m=STAGING_TILES[0], block_n=STAGING_TILES[1], validate=False,
         staging=pool, **staging_options("fp8")))
-    for chunk, sub, warps in STATS:
-        n_chunks = (s + chunk - 1) // chunk
-        ksum = torch.empty(b * h, n_chunks, d, device="cuda")
-        vmax = torch.empty_like(ksum)
-        row[f"stats chunk {chunk} sub {sub} warps {warps}"] = replayed_us(
-            lambda: quant._kv_stats_kernel[(n_chunks, b * h)](
-                k, v, ksum, vmax, *k.stride(), *v.stride(), h, s, n_chunks, CHUNK=chunk, SUB=sub, HEAD_DIM=d,
-                WITH_V=True, num_warps=warps))
     n_qb = (s + 63) // 64
     q8 = torch.empty(b, h, n_qb * 64, d, dtype=torch.int8, device="cuda")
     q_scale = torch.empty(b, h, n_qb, device="cuda")
+
+    def first_launch(chunk: int, sub: int, warps: int, stats: bool, q_tiles: bool) -> float:
+        """`_stats_and_q_kernel` with its statistics programs, its Q programs, or both (as `quantize_qkv` runs)."""
+        n_chunks = (s + chunk - 1) // chunk
+        ksum = torch.empty(b * h, n_chunks, d, device="cuda")
+        vmax = torch.empty_like(ksum)
+        n_stats = n_chunks * b * h if stats else 0
+        grid = (n_stats + (n_qb * b * h if q_tiles else 0),)
+        return replayed_us(lambda: quant._stats_and_q_kernel[grid](
+            k, v, ksum, vmax, q, q8, q_scale, *k.stride(), *v.stride(), *q.stride(), h, s, n_chunks, n_stats,
+            h, s, n_qb * 64, n_qb, 0.1, CHUNK=chunk, SUB=sub, HEAD_DIM=d, WITH_V=True, BLOCK_M=64,
+            num_warps=warps))
+
+    for chunk, sub, warps in STATS:
+        row[f"stats chunk {chunk} sub {sub} warps {warps}"] = first_launch(chunk, sub, warps, True, False)
     for warps in (4, 8):
-        row[f"q pass warps {warps}"] = replayed_us(lambda: quant._quant_q_kernel[(n_qb, b * h)](
-            q, q8, q_scale, *q.stride(), h, s, n_qb * 64, n_qb, 0.1, BLOCK_M=64, HEAD_DIM=d, num_warps=warps))
+        row[f"q pass warps {warps}"] = first_launch(256, 64, warps, False, True)
+    shipped = quant.stats_chunk(s, b * h), quant.STATS_SUB, 8
+    row[f"stats + q in one launch (chunk {shipped[0]})"] = first_launch(*shipped, True, True)
     return row
 
 

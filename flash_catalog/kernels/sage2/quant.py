@@ -202,14 +202,12 @@ def round_to_e4m3(x):
 
 
 @triton.jit
-def _kv_stats_kernel(K, V, KSUM, VMAX,
-                     stride_kb, stride_kh, stride_ks, stride_kd,
-                     stride_vb, stride_vh, stride_vs, stride_vd,
-                     H_KV, SEQ_KV, N_CHUNKS,
-                     CHUNK: tl.constexpr, SUB: tl.constexpr, HEAD_DIM: tl.constexpr, WITH_V: tl.constexpr):
-    """Per chunk of CHUNK tokens of one (batch, kv head): partial sum of K and partial max|V| per channel."""
-    pid_c = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+def _kv_stats_chunk(K, V, KSUM, VMAX, pid_c, pid_bh,
+                    stride_kb, stride_kh, stride_ks, stride_kd,
+                    stride_vb, stride_vh, stride_vs, stride_vd,
+                    H_KV, SEQ_KV, N_CHUNKS,
+                    CHUNK: tl.constexpr, SUB: tl.constexpr, HEAD_DIM: tl.constexpr, WITH_V: tl.constexpr):
+    """Chunk pid_c (CHUNK tokens) of (batch, kv head) pid_bh: partial sum of K and partial max|V| per channel."""
     b = pid_bh // H_KV
     h = pid_bh % H_KV
     offs_s = tl.arange(0, SUB)
@@ -349,13 +347,26 @@ def _quant_v_fp8_block(V, VINV, VT8, pid_t, pid_bh,
 
 
 @triton.jit
-def _quant_q_kernel(Q, Q8, QS, stride_qb, stride_qh, stride_qs, stride_qd, HQ, SEQ_Q, SQ_PAD, N_QB, q_scale_mult,
-                    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Q's pass: one tile of BLOCK_M rows of one (batch, head) per program, INT8 with q_scale_mult folded into its
-    scale."""
-    _quant_int8_block(Q, Q, Q8, QS, Q, Q, tl.program_id(0), tl.program_id(1),
-                      stride_qb, stride_qh, stride_qs, stride_qd, stride_qb, stride_qh, stride_qs, stride_qd,
-                      HQ, SEQ_Q, SQ_PAD, N_QB, q_scale_mult, BLOCK_M, HEAD_DIM, False, False)
+def _stats_and_q_kernel(K, V, KSUM, VMAX, Q, Q8, QS,
+                        stride_kb, stride_kh, stride_ks, stride_kd,
+                        stride_vb, stride_vh, stride_vs, stride_vd,
+                        stride_qb, stride_qh, stride_qs, stride_qd,
+                        H_KV, SEQ_KV, N_CHUNKS, N_STATS, HQ, SEQ_Q, SQ_PAD, N_QB, q_scale_mult,
+                        CHUNK: tl.constexpr, SUB: tl.constexpr, HEAD_DIM: tl.constexpr, WITH_V: tl.constexpr,
+                        BLOCK_M: tl.constexpr):
+    """The staging's first launch, a program each: [0, N_STATS) K's and V's chunk statistics (chunk fastest), then
+    Q's tiles of BLOCK_M rows (tile fastest), INT8 with q_scale_mult folded into the scale. Q's pass needs no
+    statistics, so it runs beside theirs, whose few programs leave the GPU's memory idle at short sequences."""
+    pid = tl.program_id(0)
+    if pid < N_STATS:
+        _kv_stats_chunk(K, V, KSUM, VMAX, pid % N_CHUNKS, pid // N_CHUNKS,
+                        stride_kb, stride_kh, stride_ks, stride_kd, stride_vb, stride_vh, stride_vs, stride_vd,
+                        H_KV, SEQ_KV, N_CHUNKS, CHUNK, SUB, HEAD_DIM, WITH_V)
+    else:
+        tile = pid - N_STATS
+        _quant_int8_block(Q, Q, Q8, QS, Q, Q, tile % N_QB, tile // N_QB,
+                          stride_qb, stride_qh, stride_qs, stride_qd, stride_qb, stride_qh, stride_qs, stride_qd,
+                          HQ, SEQ_Q, SQ_PAD, N_QB, q_scale_mult, BLOCK_M, HEAD_DIM, False, False)
 
 
 @triton.jit
@@ -420,13 +431,17 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale:
     exact = interpreter_active()
     with_v = pv == "fp8"
 
-    # Four launches. 1) K's and V's chunk statistics: partial sums of K and partial max|V| per channel.
+    # Three launches. 1) K's and V's chunk statistics (partial sums of K, partial max|V| per channel) and, in the
+    #    same launch, Q: per-tile INT8 with the softmax scale * log2(e) folded into the scale.
     n_chunks = buf["k_sum_partial"].shape[1]
     ksum = buf["k_sum_partial"]
     vmax = buf["v_amax_partial"] if with_v else ksum
-    _kv_stats_kernel[(n_chunks, bsz * hkv)](
-        k, v, ksum, vmax, *k.stride(), *v.stride(), hkv, skv, n_chunks,
-        CHUNK=stats_chunk(skv, bsz * hkv), SUB=STATS_SUB, HEAD_DIM=d, WITH_V=with_v, num_warps=8)
+    q8, q_scale = buf["q8"], buf["q_scale"]
+    n_stats = n_chunks * bsz * hkv
+    _stats_and_q_kernel[(n_stats + n_qb * bsz * hq,)](
+        k, v, ksum, vmax, q, q8, q_scale, *k.stride(), *v.stride(), *q.stride(), hkv, skv, n_chunks, n_stats,
+        hq, sq, sq_pad, n_qb, float(sm_scale) * LOG2E,
+        CHUNK=stats_chunk(skv, bsz * hkv), SUB=STATS_SUB, HEAD_DIM=d, WITH_V=with_v, BLOCK_M=block_m, num_warps=8)
 
     # 2) The per-head reduction of the partials (deterministic, no atomics): K's mean, V's scale and 1/scale.
     k_mean = buf["k_mean"]
@@ -438,13 +453,7 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale:
         ksum, vmax, k_mean, v_scale, v_inv, n_chunks, skv,
         BLOCK_C=16, HEAD_DIM=d, WITH_V=with_v, INTERPRETED=exact, num_warps=4)
 
-    # 3) Q: per-block INT8, softmax scale * log2(e) folded into the scale.
-    q8, q_scale = buf["q8"], buf["q_scale"]
-    _quant_q_kernel[(n_qb, bsz * hq)](
-        q, q8, q_scale, *q.stride(), hq, sq, sq_pad, n_qb, float(sm_scale) * LOG2E,
-        BLOCK_M=block_m, HEAD_DIM=d, num_warps=warps)
-
-    # 4) K less its token mean (softmax is invariant to it), per-block INT8, with the same tokens of V: per-channel
+    # 3) K less its token mean (softmax is invariant to it), per-block INT8, with the same tokens of V: per-channel
     #    FP8 e4m3 staged as V^T (the K-major B operand of the P.V MMA), or with v_fp16 a padded fp16 copy (fp16 mode
     #    otherwise reads V as it is: the Triton kernel).
     k8, k_scale = buf["k8"], buf["k_scale"]
