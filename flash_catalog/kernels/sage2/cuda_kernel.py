@@ -180,6 +180,12 @@ def sage2_cuda_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, is_causal:
                                 or not staged.v.is_contiguous()):
         raise ValueError("the CUDA kernel's fp16 P.V reads V's padded fp16 copy: stage with "
                          "quantize_qkv(..., pv='fp16', v_fp16=True)")
+    dense = {"q8": staged.q8, "q_scale": staged.q_scale, "k8": staged.k8, "k_scale": staged.k_scale, "v": staged.v,
+             "v_scale": staged.v_scale}
+    strided = [name for name, t in dense.items() if t is not None and not t.is_contiguous()]
+    if strided:
+        raise ValueError(f"the CUDA kernel reads its staging dense; {', '.join(strided)} not contiguous: pass "
+                         f"`.contiguous()` copies (quantize_qkv's own staging is)")
     if out_dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"out_dtype is {out_dtype}; allowed: torch.float16, torch.bfloat16")
     built = build()
