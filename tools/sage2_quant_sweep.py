@@ -65,7 +65,7 @@ def shape_rows(b: int, h: int, s: int, d: int) -> dict[str, float]:
         row[f"stats chunk {chunk} sub {sub} warps {warps}"] = first_launch(chunk, sub, warps, True, False)
     for warps in (4, 8):
         row[f"q pass warps {warps}"] = first_launch(256, 64, warps, False, True)
-    shipped = quant.stats_chunk(s, b * h), quant.STATS_SUB, 8
+    shipped = quant.stats_chunk(s, b * h), quant.STATS_SUB, quant.STAGE1_WARPS
     row[f"stats + q in one launch (chunk {shipped[0]})"] = first_launch(*shipped, True, True)
     return row
 
