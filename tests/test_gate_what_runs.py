@@ -175,6 +175,33 @@ def test_the_gate_reads_the_mask_at_every_call_only_where_the_host_builds_a_new_
     assert given_reads <= 2 and fresh_reads >= 6, (given_reads, fresh_reads)
 
 
+@pytest.mark.parametrize("fastest", ["FLASH_ATTENTION", "MATH"])
+def test_sdpa_dense_pins_only_a_backend_that_sdpa_would_not_choose_itself(monkeypatch, fastest):
+    """Where the fastest backend is SDPA's own choice for the call (flash, for float32 on a CPU), the runner calls
+    SDPA as it is, flipping no switch; otherwise (math, which SDPA would not choose here) it pins. Either way the
+    receipt names the backend, and the output is the pinned call's."""
+    from torch.nn.attention import SDPBackend
+
+    from flash_catalog.catalog.catalog import build_form
+    from flash_catalog.forms import sdpa_dense
+
+    form = build_form(next(s for s in Catalog.load().specs if s.name == "sdpa_dense"))
+    q = torch.randn(1, 2, 16, 8)
+    call = AttentionCall(q, q, q, None, False, None, False, 0.0, "bhsd", MaskInfo("none"))
+    assert sdpa_dense.own_choice(False, call) == int(SDPBackend.FLASH_ATTENTION)
+    best = getattr(SDPBackend, fastest)
+    monkeypatch.setattr(form, "variant_seconds", lambda run, device: 1.0 if run.args[0] is best else 2.0)
+    runner = form.build(call)
+    own = fastest == "FLASH_ATTENTION"
+    assert runner.fn.func is (sdpa_dense.run_sdpa_own_choice if own else sdpa_dense.run_sdpa)
+    assert runner.detail == f"backend {fastest.lower()}" + (" (SDPA's own choice)" if own else "")
+    pinned, pin = [], sdpa_dense.pin
+    monkeypatch.setattr(sdpa_dense, "pin", lambda backend: pinned.append(backend) or pin(backend))
+    out = runner(call)
+    assert pinned == ([] if own else [best])
+    assert torch.equal(out, sdpa_dense.run_sdpa(best, False, call))
+
+
 def test_sdpa_dense_pins_its_backend_for_the_call_and_restores_every_switch(monkeypatch):
     """The form's lean pin (in place of `sdpa_kernel`'s context manager at every call) leaves torch's switches as it
     found them, also where the call raises."""

@@ -78,7 +78,7 @@ def chosen_backend(plan) -> str | None:
     """The SDPA backend the bound sites pinned, as their receipts say ("backend cudnn_attention"), if they agree."""
     names = {word for site in plan.sites if site.outcome == "bound" for shape in site.shapes
              for part in note(shape.reason).replace("; ", ", ").split(", ")
-             if (word := part.removeprefix("backend ")) in BACKENDS}
+             if part.startswith("backend ") and (word := part.split(" ")[1]) in BACKENDS}
     return names.pop() if len(names) == 1 else None
 
 

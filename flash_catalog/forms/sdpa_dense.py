@@ -1,4 +1,5 @@
-"""`sdpa_dense`: torch SDPA pinned per shape to the fastest backend, with an all-pass mask dropped.
+"""`sdpa_dense`: torch SDPA pinned per shape to the fastest backend (unless that is SDPA's own choice), with an
+all-pass mask dropped.
 
 A call that needs the log-sum-exp (a ring-attention step) runs the backend's own aten op, which returns it."""
 
@@ -66,6 +67,27 @@ def run_sdpa(backend: SDPBackend, drop_mask: bool, call: AttentionCall) -> torch
         unpin(prior)
 
 
+def run_sdpa_own_choice(backend: SDPBackend, drop_mask: bool, call: AttentionCall) -> torch.Tensor:
+    """SDPA as it is, where its own choice for the call is `backend` (`own_choice`): no switch flipped per call."""
+    return _SDPA(call.query, call.key, call.value, attn_mask=None if drop_mask else call.attn_mask,
+                 dropout_p=0.0, is_causal=call.is_causal, scale=call.scale, enable_gqa=call.enable_gqa)
+
+
+_CHOICE = getattr(torch, "_fused_sdp_choice", None)
+"""torch's own backend choice for a call (SDPBackend's value), as SDPA makes it under the switches as they are."""
+
+
+def own_choice(drop_mask: bool, call: AttentionCall) -> int | None:
+    """The backend SDPA picks for `call` unpinned (its SDPBackend value), or None where this torch cannot say."""
+    if _CHOICE is None:
+        return None
+    try:
+        return int(_CHOICE(call.query, call.key, call.value, attn_mask=None if drop_mask else call.attn_mask,
+                           dropout_p=0.0, is_causal=call.is_causal, scale=call.scale, enable_gqa=call.enable_gqa))
+    except (RuntimeError, TypeError):
+        return None
+
+
 def run_sdpa_lse(backend: SDPBackend, drop_mask: bool, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
     """(output, log-sum-exp (B, H, Sq) float32) from the backend's aten op."""
     q, k, v = call.query, call.key, call.value
@@ -109,6 +131,8 @@ class SdpaDense(AttentionForm):
         if not timings:
             raise RuntimeError(f"{self.name}: no SDPA backend serves this shape")
         best = min(timings, key=timings.__getitem__)
-        detail = (f"backend {best.name.lower()}" + (", log-sum-exp" if call.return_lse else "")
-                  + (", mask dropped" if drop else ""))
-        return Runner(functools.partial(run_fn, best, drop), detail)
+        # where SDPA itself would pick the fastest backend, the call need not pin it (about 2 us a call on a CPU)
+        unpinned = not call.return_lse and own_choice(drop, call) == int(best)
+        detail = (f"backend {best.name.lower()}" + (" (SDPA's own choice)" if unpinned else "")
+                  + (", log-sum-exp" if call.return_lse else "") + (", mask dropped" if drop else ""))
+        return Runner(functools.partial(run_sdpa_own_choice if unpinned else run_fn, best, drop), detail)
