@@ -82,8 +82,11 @@ def own_choice(drop_mask: bool, call: AttentionCall) -> int | None:
     if _CHOICE is None:
         return None
     try:
-        return int(_CHOICE(call.query, call.key, call.value, attn_mask=None if drop_mask else call.attn_mask,
-                           dropout_p=0.0, is_causal=call.is_causal, scale=call.scale, enable_gqa=call.enable_gqa))
+        with warnings.catch_warnings():  # where no fused backend serves the call, torch says why for each
+            warnings.simplefilter("ignore")
+            return int(_CHOICE(call.query, call.key, call.value, attn_mask=None if drop_mask else call.attn_mask,
+                               dropout_p=0.0, is_causal=call.is_causal, scale=call.scale,
+                               enable_gqa=call.enable_gqa))
     except (RuntimeError, TypeError):
         return None
 
