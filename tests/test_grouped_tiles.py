@@ -205,6 +205,20 @@ def test_form_rules_and_runner():
     assert form.rule(call) is None  # bool mask: zeros, as SDPA gives
 
 
+def test_the_output_is_laid_out_as_the_query_s_heads_are():
+    """A query split into heads from a (B, S, H * D) projection gives an output (B, S, H, D) in memory, as torch's
+    SDPA kernels give, so the host's merge of the heads is a view; a (B, H, S, D)-contiguous query keeps that."""
+    mask = variate_mask([3, 5, 4]).to(DEVICE)
+    x = torch.randn(2, 12, 2 * 16, device=DEVICE)
+    q_split = x.view(2, 12, 2, 16).transpose(1, 2)
+    for q, merged_is_view in ((q_split, True), (q_split.contiguous(), False)):
+        form, call = _form_and_call(mask, q)
+        out = form.runner(call)(call)
+        torch.testing.assert_close(out, F.scaled_dot_product_attention(q, q, q, attn_mask=mask), rtol=1e-5,
+                                   atol=1e-5)
+        assert out.transpose(1, 2).is_contiguous() is merged_is_view and out.is_contiguous() is not merged_is_view
+
+
 def test_binds_on_the_tirex_like_host_and_detaches_exactly(tmp_path):
     spec = (Path(specs_dir()) / "attention_core" / "grouped_tiles.toml").read_text()
     (tmp_path / "grouped_tiles.toml").write_text(spec.replace('devices = ["cuda"]', 'devices = ["cpu", "cuda"]'))
