@@ -188,7 +188,7 @@ def test_sdpa_dense_pins_only_a_backend_that_sdpa_would_not_choose_itself(monkey
     form = build_form(next(s for s in Catalog.load().specs if s.name == "sdpa_dense"))
     q = torch.randn(1, 2, 16, 8)
     call = AttentionCall(q, q, q, None, False, None, False, 0.0, "bhsd", MaskInfo("none"))
-    assert sdpa_dense.own_choice(False, call) == int(SDPBackend.FLASH_ATTENTION)
+    assert sdpa_dense.own_choice(False, call) == SDPBackend.FLASH_ATTENTION.value
     best = getattr(SDPBackend, fastest)
     monkeypatch.setattr(form, "variant_seconds", lambda run, device: 1.0 if run.args[0] is best else 2.0)
     runner = form.build(call)

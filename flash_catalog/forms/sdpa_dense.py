@@ -135,7 +135,7 @@ class SdpaDense(AttentionForm):
             raise RuntimeError(f"{self.name}: no SDPA backend serves this shape")
         best = min(timings, key=timings.__getitem__)
         # where SDPA itself would pick the fastest backend, the call need not pin it (about 2 us a call on a CPU)
-        unpinned = not call.return_lse and own_choice(drop, call) == int(best)
+        unpinned = not call.return_lse and own_choice(drop, call) == best.value
         detail = (f"backend {best.name.lower()}" + (" (SDPA's own choice)" if unpinned else "")
                   + (", log-sum-exp" if call.return_lse else "") + (", mask dropped" if drop else ""))
         return Runner(functools.partial(run_sdpa_own_choice if unpinned else run_fn, best, drop), detail)

@@ -144,9 +144,9 @@ class Launcher:
     launch: Callable[..., int]
     error: Callable[[], bytes]
 
-    def __call__(self, *args: int) -> None:
-        """Launch on the arguments of `fc_sage2_sm90` (pointers as ints); raises RuntimeError with the kernel's
-        reason when it refuses."""
+    def __call__(self, *args: int | None) -> None:
+        """Launch on the arguments of `fc_sage2_sm90` (pointers as ints, None for a null one); raises RuntimeError
+        with the kernel's reason when it refuses."""
         if self.launch(*args) != 0:
             raise RuntimeError(f"the sage2 CUDA kernel refused the launch: "
                                f"{self.error().decode(errors='replace')}")
