@@ -14,7 +14,7 @@ import functools
 import torch
 
 from ..capture.calls import AttentionCall
-from ..capture.layout import stride_order
+from ..capture.layout import output_layout
 from ..decide.gate import median_seconds
 from ..kernels.grouped_attention import (MAX_HEAD_DIM, RULES, GroupPlan, build_plan, candidate_configs,
                                          grouped_attention, interpreter_active, tma_eligible)
@@ -26,18 +26,11 @@ REPEATS = 5
 FP32_PRECISION = "tf32x3"  # fp32 hosts: three TF32 products per dot, fp32-level error (Triton's default is TF32)
 
 
-def out_layout(call: AttentionCall) -> str:
-    """Where the output's heads go in memory: (B, S, H, D) for a host that passes that layout, and also where the
-    query is (B, S, H, D) in memory (a head split of a projection, as TiRex-2 and most attention modules make it).
-    torch's own SDPA kernels return such outputs, so the host's `out.transpose(1, 2).reshape(B, S, H * D)` after the
-    call is a view, not a copy of the whole output."""
-    return "bshd" if call.layout == "bshd" or stride_order(call.query) == (0, 2, 1, 3) else "bhsd"
-
-
 def _run(plan: GroupPlan, cfg: dict, call: AttentionCall) -> torch.Tensor:
     return grouped_attention(call.query, call.key, call.value, plan, scale=call.scale, num_warps=cfg["num_warps"],
                              num_stages=cfg["num_stages"], tma=cfg["tma"], warp_specialize=cfg["warp_specialize"],
-                             fast_exp=cfg["fast_exp"], fp32_precision=FP32_PRECISION, out_layout=out_layout(call))
+                             fast_exp=cfg["fast_exp"], fp32_precision=FP32_PRECISION,
+                             out_layout=output_layout(call.layout, call.query))
 
 
 def _describe(plan: GroupPlan, cfg: dict, call: AttentionCall) -> str:
