@@ -83,8 +83,7 @@ class Route:
                 and ((attn_mask.shape == bound.mask_shape and attn_mask.dtype == bound.mask_dtype)
                      if attn_mask is not None else bound.mask_shape is None)
                 and (query.stride(), key.stride(), value.stride()) == bound.strides
-                and (query.data_ptr() % 16 == 0, key.data_ptr() % 16 == 0, value.data_ptr() % 16 == 0)
-                == bound.aligned)
+                and alignment(query, key, value) == bound.aligned)
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attn_mask: torch.Tensor | None, choice: int) -> Output:
