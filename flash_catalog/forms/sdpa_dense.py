@@ -58,19 +58,19 @@ def unpin(prior: list[bool]) -> None:
         put(on)
 
 
-def run_sdpa(backend: SDPBackend, drop_mask: bool, call: AttentionCall) -> torch.Tensor:
-    prior = pin(backend)
-    try:
-        return _SDPA(call.query, call.key, call.value, attn_mask=None if drop_mask else call.attn_mask,
-                     dropout_p=0.0, is_causal=call.is_causal, scale=call.scale, enable_gqa=call.enable_gqa)
-    finally:
-        unpin(prior)
-
-
 def run_sdpa_own_choice(backend: SDPBackend, drop_mask: bool, call: AttentionCall) -> torch.Tensor:
     """SDPA as it is, where its own choice for the call is `backend` (`own_choice`): no switch flipped per call."""
     return _SDPA(call.query, call.key, call.value, attn_mask=None if drop_mask else call.attn_mask,
                  dropout_p=0.0, is_causal=call.is_causal, scale=call.scale, enable_gqa=call.enable_gqa)
+
+
+def run_sdpa(backend: SDPBackend, drop_mask: bool, call: AttentionCall) -> torch.Tensor:
+    """SDPA with only `backend` enabled for the call."""
+    prior = pin(backend)
+    try:
+        return run_sdpa_own_choice(backend, drop_mask, call)
+    finally:
+        unpin(prior)
 
 
 _CHOICE = getattr(torch, "_fused_sdp_choice", None)
