@@ -70,6 +70,34 @@ def test_staging_laid_out_other_than_dense_is_refused_by_name():
         sage2_cuda.sage2_cuda_staged(strided, out_dtype=torch.bfloat16)
 
 
+def test_the_cuda_ops_fake_output_has_the_layout_asked_for():
+    """What the compiler sees of the CUDA ops: (B, H, S, D) with the strides `out_layout` gives (a (B, S, H, D)-
+    contiguous view for "bshd"), the log-sum-exp contiguous; a layout not offered is refused by name."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from flash_catalog.kernels.sage2.op import sage2_cuda_attention_lse_op, sage2_cuda_attention_op
+
+    with FakeTensorMode():
+        q = torch.empty(2, 3, 40, 64, dtype=torch.bfloat16)
+        bshd = sage2_cuda_attention_op(q, q, q, None, "fp8", False, "", "bshd")
+        bhsd = sage2_cuda_attention_op(q, q, q, None, "fp8", False, "")
+        out, lse = sage2_cuda_attention_lse_op(q, q, q, None, "fp8", False, "", "bshd")
+    assert bshd.shape == bhsd.shape == (2, 3, 40, 64) and bshd.transpose(1, 2).is_contiguous()
+    assert bhsd.is_contiguous() and out.transpose(1, 2).is_contiguous() and lse.is_contiguous()
+    # the forms ask for the heads where the host's query keeps them (`output_layout`)
+    from flash_catalog.capture.calls import AttentionCall
+    from flash_catalog.capture.masks import MaskInfo
+    from flash_catalog.forms.sage2_cuda import run_cuda
+
+    with FakeTensorMode():
+        split = torch.empty(2, 40, 3, 64, dtype=torch.bfloat16).transpose(1, 2)
+        for query, inside in ((split, True), (torch.empty(2, 3, 40, 64, dtype=torch.bfloat16), False)):
+            call = AttentionCall(query, query, query, None, False, None, False, 0.0, "bhsd", MaskInfo("none"))
+            assert run_cuda("fp8", "", call).transpose(1, 2).is_contiguous() is inside
+    with pytest.raises(ValueError, match="out_layout is 'bsdh'; allowed: 'bhsd', 'bshd'"):
+        sage2_cuda.new_output((1, 2, 3, 4), torch.bfloat16, torch.device("cpu"), "bsdh")
+
+
 def test_the_split_plan_shortens_an_uneven_last_wave_only():
     """Flux's joint attention (B1 H24 S4608) makes 576 tiles of 36 key blocks on 132 SMs: 4.4 waves. The last 48
     tiles run in two halves (a modelled 190 -> 173 blocks); an even count of waves, causal tiles, and many waves
@@ -342,3 +370,21 @@ def test_split_tiles_give_the_unsplit_kernels_output_and_log_sum_exp(b, hq, hkv,
     exact = exact_attention(q, k, v)
     assert _rel_l2(split, exact) <= 1.05 * _rel_l2(whole, exact) + 1e-3
     assert torch.equal(split, sage2_cuda.sage2_cuda_attention(q, k, v, pv=pv))
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("pv", ["fp8", "fp16"])
+@pytest.mark.parametrize("b,h,s,d", [(1, 24, 4608, 128), (2, 4, 1000, 64)])
+def test_an_output_with_the_heads_inside_holds_the_contiguous_output_s_values(b, h, s, d, pv):
+    """out_layout="bshd" (the kernel's rows written through the output's strides, the last wave's parts merged into
+    it too at Flux's shape): the same values, bit for bit, in a (B, S, H, D)-contiguous view; the log-sum-exp too."""
+    g = torch.Generator(device="cuda").manual_seed(s)
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
+               for _ in range(3))
+    whole = sage2_cuda.sage2_cuda_attention(q, k, v, pv=pv)
+    inside = sage2_cuda.sage2_cuda_attention(q, k, v, pv=pv, out_layout="bshd")
+    assert inside.transpose(1, 2).is_contiguous() and torch.equal(inside, whole)
+    out, lse = sage2_cuda.sage2_cuda_attention(q, k, v, pv=pv, out_layout="bshd", return_lse=True)
+    out_whole, lse_whole = sage2_cuda.sage2_cuda_attention(q, k, v, pv=pv, return_lse=True)
+    assert out.transpose(1, 2).is_contiguous() and torch.equal(out, out_whole) and torch.equal(lse, lse_whole)

@@ -6,11 +6,22 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
 from ..capture.calls import AttentionCall
+from ..capture.layout import output_layout
 from ..kernels.sage2.cuda_kernel import cuda_refusal, staging_keys
 from ..kernels.sage2.op import sage2_cuda_attention_lse_op, sage2_cuda_attention_op
 from .base import AttentionForm, Runner
-from .sage2 import run_op, shape_rule, staged_runner
+from .sage2 import shape_rule, staged_runner
+
+
+def run_cuda(pv: str, staging: str, call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The CUDA op's call (with the log-sum-exp where the call needs it), its output's heads where the host keeps
+    them (`output_layout`), so that the host's merge of the heads is a view. An all-pass mask is dropped."""
+    op = sage2_cuda_attention_lse_op if call.return_lse else sage2_cuda_attention_op
+    return op(call.query, call.key, call.value, call.scale, pv, call.is_causal, staging,
+              output_layout(call.layout, call.query))
 
 
 class _Sage2Cuda(AttentionForm):
@@ -21,7 +32,7 @@ class _Sage2Cuda(AttentionForm):
         return why if why is not None else cuda_refusal(call.query, self.pv)
 
     def build(self, call: AttentionCall) -> Runner:
-        run = functools.partial(run_op, sage2_cuda_attention_op, sage2_cuda_attention_lse_op, self.pv)
+        run = functools.partial(run_cuda, self.pv)
         return staged_runner(run, f"INT8 QK, {self.pv.upper()} PV, CUDA kernel", call, self.staging,
                              lambda: staging_keys(call.query, call.key, self.pv, call.is_causal))
 

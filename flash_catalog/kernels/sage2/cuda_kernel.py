@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from ..cuda_build import CudaBuild, arch_refusal, load_library
-from .quant import (Sage2Staged, add_key_mean, empty_result, quantize_qkv, refuse_grad, staging_keys_of,
+from .quant import (Sage2Staged, add_key_mean, quantize_qkv, refuse_grad, staging_keys_of,
                     validate_inputs)
 from ..staging import StagingKey, StagingPool
 
@@ -164,15 +164,28 @@ def launcher(lib: ctypes.CDLL) -> Launcher:
     return Launcher(launch, error)
 
 
+def new_output(shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device,
+               out_layout: str) -> torch.Tensor:
+    """An uninitialised (B, H, S, D) output: contiguous for out_layout "bhsd", a (B, S, H, D)-contiguous view for
+    "bshd" (the kernel writes rows through the output's strides)."""
+    if out_layout not in ("bhsd", "bshd"):
+        raise ValueError(f"out_layout is {out_layout!r}; allowed: 'bhsd', 'bshd'")
+    b, h, s, d = shape
+    if out_layout == "bshd":
+        return torch.empty((b, s, h, d), dtype=dtype, device=device).transpose(1, 2)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 def sage2_cuda_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, is_causal: bool = False,
                       lse: torch.Tensor | None = None, split: bool = True,
-                      staging: StagingPool | None = None) -> torch.Tensor:
+                      staging: StagingPool | None = None, out_layout: str = "bhsd") -> torch.Tensor:
     """Run the CUDA kernel on `quantize_qkv(..., block_m=64, block_n=128)` staging, made with `v_mma_order=True` for
     pv="fp8" or `v_fp16=True` for pv="fp16"; returns a new (B, Hq, Sq, D) tensor in `out_dtype` (fp16 or bf16).
     `lse` ((B, Hq, Sq) float32, contiguous, on the staging's device): the kernel also writes each row's natural
     log-sum-exp of the scores it saw, those of K less its token mean (`sage2_cuda_attention(return_lse=True)` adds
     the rest back). `split`: run the last wave's tiles in parts where `split_plan` says that is faster (their
-    scratch from `staging`, or fresh); False runs every tile whole."""
+    scratch from `staging`, or fresh); False runs every tile whole. `out_layout`: "bshd" returns a (B, S, H, D)-
+    contiguous view (`new_output`)."""
     if staged.pv not in ("fp8", "fp16") or (staged.block_m, staged.block_n) != STAGING_TILES:
         raise ValueError(f"the CUDA kernel needs pv='fp8' or 'fp16' staging with tiles {STAGING_TILES}; got pv="
                          f"{staged.pv!r}, tiles ({staged.block_m}, {staged.block_n})")
@@ -193,7 +206,7 @@ def sage2_cuda_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, is_causal:
         raise RuntimeError(f"the sage2 CUDA kernel is unavailable: {built.detail}")
     bsz, hq, sq_pad, d = staged.q8.shape
     hkv, skv_pad = staged.k8.shape[1], staged.k8.shape[2]
-    out = torch.empty((bsz, hq, staged.seq_q, d), dtype=out_dtype, device=staged.q8.device)
+    out = new_output((bsz, hq, staged.seq_q, d), out_dtype, staged.q8.device, out_layout)
     if lse is not None and (lse.shape != out.shape[:-1] or lse.dtype != torch.float32 or not lse.is_contiguous()
                             or lse.device != out.device):
         raise ValueError(f"lse is {tuple(lse.shape)} {lse.dtype} on {lse.device}; expected a contiguous "
@@ -222,24 +235,28 @@ def sage2_cuda_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, is_causal:
 
 def sage2_cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
                          pv: str = "fp8", is_causal: bool = False, staging: StagingPool | None = None,
-                         return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                         return_lse: bool = False, out_layout: str = "bhsd"
+                         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """softmax(q k^T * scale) v for (B, H, S, D) fp16/bf16 CUDA tensors on sm_90, through the CUDA kernel; the
     arguments and guarantees of `sage2_attention` (pv="fp8" or "fp16"; forward only, inputs never written, a new
-    contiguous output). `return_lse`: also each row's natural log-sum-exp of the scaled scores, (B, H, Sq) float32,
-    as ring attention merges partial results with. Raises ValueError naming the reason where `cuda_refusal` finds
-    one."""
+    output, contiguous, or (B, S, H, D)-contiguous for out_layout="bshd"). `return_lse`: also each row's natural
+    log-sum-exp of the scaled scores, (B, H, Sq) float32, as ring attention merges partial results with. Raises
+    ValueError naming the reason where `cuda_refusal` finds one."""
     validate_inputs(q, k, v, pv=pv, scale=scale, is_causal=is_causal)
     refuse_grad("sage2_cuda_attention", q, k, v)
     why = cuda_refusal(q, pv)
     if why is not None:
         raise ValueError(f"the sage2 CUDA kernel cannot serve this call: {why}")
     if q.shape[:-1].numel() == 0:
-        return empty_result(q, return_lse)
+        out = new_output(tuple(q.shape), q.dtype, q.device, out_layout)
+        return (out, torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)) if return_lse else out
     sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     staged = quantize_qkv(q, k, v, sm_scale=sm_scale, pv=pv, block_m=STAGING_TILES[0], block_n=STAGING_TILES[1],
                           validate=False, staging=staging, **staging_options(pv))
     if not return_lse:
-        return sage2_cuda_staged(staged, out_dtype=q.dtype, is_causal=is_causal, staging=staging)
+        return sage2_cuda_staged(staged, out_dtype=q.dtype, is_causal=is_causal, staging=staging,
+                                 out_layout=out_layout)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    out = sage2_cuda_staged(staged, out_dtype=q.dtype, is_causal=is_causal, lse=lse, staging=staging)
+    out = sage2_cuda_staged(staged, out_dtype=q.dtype, is_causal=is_causal, lse=lse, staging=staging,
+                            out_layout=out_layout)
     return out, add_key_mean(lse, q, staged, sm_scale)

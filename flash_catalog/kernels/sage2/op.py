@@ -49,24 +49,41 @@ def sage2_attention_lse_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
 sage2_attention_lse_op.register_fake(_fake_lse)
 
 
+def _fake_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, pv: str, is_causal: bool,
+               staging: str = "", out_layout: str = "bhsd") -> torch.Tensor:
+    """The CUDA ops' output for the compiler: its shape, and the strides `out_layout` gives it."""
+    from .cuda_kernel import new_output
+    b, h, s, _ = q.shape
+    return new_output((b, h, s, v.shape[-1]), q.dtype, q.device, out_layout)
+
+
+def _fake_cuda_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, pv: str,
+                   is_causal: bool, staging: str = "", out_layout: str = "bhsd") -> tuple[torch.Tensor, torch.Tensor]:
+    return (_fake_cuda(q, k, v, scale, pv, is_causal, staging, out_layout),
+            q.new_empty(q.shape[:-1], dtype=torch.float32))
+
+
 @torch.library.custom_op("flash_catalog::sage2_cuda_attention", mutates_args=())
 def sage2_cuda_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, pv: str,
-                            is_causal: bool, staging: str = "") -> torch.Tensor:
-    """The CUDA C++ kernel (`sage2_cuda`); opaque to the compiler, like the Triton and Gluon kernels."""
+                            is_causal: bool, staging: str = "", out_layout: str = "bhsd") -> torch.Tensor:
+    """The CUDA C++ kernel (`sage2_cuda`); opaque to the compiler, like the Triton and Gluon kernels. `out_layout`
+    "bshd": the output is a (B, S, H, D)-contiguous view."""
     from .cuda_kernel import sage2_cuda_attention
-    return sage2_cuda_attention(q, k, v, scale=scale, pv=pv, is_causal=is_causal, staging=pool_for(staging))
+    return sage2_cuda_attention(q, k, v, scale=scale, pv=pv, is_causal=is_causal, staging=pool_for(staging),
+                                out_layout=out_layout)
 
 
-sage2_cuda_attention_op.register_fake(_fake)
+sage2_cuda_attention_op.register_fake(_fake_cuda)
 
 
 @torch.library.custom_op("flash_catalog::sage2_cuda_attention_lse", mutates_args=())
 def sage2_cuda_attention_lse_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, pv: str,
-                                is_causal: bool, staging: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+                                is_causal: bool, staging: str = "",
+                                out_layout: str = "bhsd") -> tuple[torch.Tensor, torch.Tensor]:
     """The CUDA C++ kernel with each row's log-sum-exp (ring-attention steps)."""
     from .cuda_kernel import sage2_cuda_attention
     return sage2_cuda_attention(q, k, v, scale=scale, pv=pv, is_causal=is_causal, staging=pool_for(staging),
-                                return_lse=True)
+                                return_lse=True, out_layout=out_layout)
 
 
-sage2_cuda_attention_lse_op.register_fake(_fake_lse)
+sage2_cuda_attention_lse_op.register_fake(_fake_cuda_lse)
