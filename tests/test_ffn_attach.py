@@ -209,3 +209,46 @@ def test_alike_ffn_sites_share_one_timing_and_each_gates_its_own_accuracy(monkey
     assert "timed at transformer_blocks.0.ff" in second.shapes[0].reason
     assert first.shapes[0].cosine != second.shapes[0].cosine  # accuracy on each site's own weights and input
     detach(plan)
+
+
+def test_a_bound_ffn_site_takes_its_input_by_position_or_by_its_name_and_anything_else_runs_the_host(caplog):
+    """One input tensor, by position or by the name the host's forward gives it, is a call the form serves; a call
+    with anything more (here: an input under a name the forward does not take, as the host would be told) runs the
+    host's own forward with the arguments as they came, and is counted and explained."""
+    host = build("ltx", dtype=torch.bfloat16)
+    inputs = host.inputs()
+    ff = host.model.transformer_blocks[0].ff
+    seen = []
+    hook = ff.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    run(host.model, inputs)
+    hook.remove()
+    x = seen[0]  # the input calibration meets: a shape the form is bound at
+    plan = attach(host.model, inputs, attention_forms=[], ffn_forms=["fp8_rowwise"], min_speedup=0)
+    assert plan.site("transformer_blocks.0.ff").outcome == "bound", str(plan)
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="flash_catalog"):
+        served, by_name = ff(x), ff(hidden_states=x)
+        assert plan.routed["transformer_blocks.0.ff"] == 2 and torch.equal(served, by_name)
+        with pytest.raises(TypeError, match="hidden_states"):
+            ff(x=x)  # FeedForward.forward takes `hidden_states`: the host says so, as it would unattached
+    assert plan.fallbacks == {"transformer_blocks.0.ff": 1}
+    assert any(r.getMessage() == "transformer_blocks.0.ff runs the host: arguments only the host serves (more "
+               "than the one input tensor)" for r in caplog.records), [r.getMessage() for r in caplog.records]
+    detach(plan)
+    with torch.no_grad():
+        assert not torch.equal(served, ff(x))  # the bound calls ran the FP8 form, not the host
+
+
+def test_a_feed_forward_module_attached_on_its_own_with_keyword_inputs_binds():
+    """attach(model, {"hidden_states": x}) calls the site module itself by keyword: calibration meets that call and
+    the bound site serves it (the GPU speed contract attaches to diffusers' FeedForward this way)."""
+    torch.manual_seed(0)
+    model = FeedForward(64, inner_dim=256, activation_fn="gelu-approximate").to(torch.bfloat16)
+    inputs = {"hidden_states": torch.randn(1, 32, 64, dtype=torch.bfloat16)}
+    reference = run(model, inputs)
+    plan = attach(model, inputs, attention_forms=[], ffn_forms=["fp8_rowwise"], min_speedup=0)
+    assert [s.outcome for s in plan.sites] == ["bound"], str(plan)
+    attached = run(model, inputs)
+    assert sum(plan.routed.values()) == 1, plan.routed
+    assert F.cosine_similarity(attached.float().flatten(), reference.float().flatten(), dim=0) > 0.998
+    detach(plan)
+    assert torch.equal(run(model, inputs), reference)

@@ -76,14 +76,14 @@ def test_plain_reads_the_common_forms_and_leaves_the_rest_to_binding():
 
 
 def test_a_call_no_guard_admits_is_looked_up_by_its_key():
-    """Where the guard does not apply (here: key and value passed by keyword), the lookup by key finds the route;
-    where neither finds one, the call's key comes back for the fallback's warning."""
+    """Where the guard does not apply (here: key and value passed by keyword), the lookup by key finds the route, as
+    it does for a plain call; where it finds none, the call's key comes back for the fallback's warning."""
     q, k, v, mask = _tensors()
     route = _route(StaticKey.of("bhsd", q, k, v, None, False, None, False, False, traced=False))
     table = {route.key: route}
     found, key = _lookup(table, SDPA_SIGNATURE, (q,), {"key": k, "value": v}, traced=False)
     assert found is not None and found[0] is route and key == route.key
     found, key = _lookup(table, SDPA_SIGNATURE, (q, k, v), {}, traced=False)
-    assert found == (route, (q, k, v, None)) and key is None
+    assert found == (route, (q, k, v, None)) and key == route.key
     found, key = _lookup(table, SDPA_SIGNATURE, (q, k, v), {"is_causal": True}, traced=False)
     assert found is None and key is not None and key.is_causal

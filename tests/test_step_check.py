@@ -22,17 +22,16 @@ def run(model, inputs):
 
 
 def slow_bound_calls(monkeypatch, sites: tuple[str, ...] = ("attns.",)) -> None:
-    """Every bound call at the given sites pays 0.2 s more than the gate saw (far above the host's step, even on a
-    loaded machine): `_route` serves bound calls only;
-    the gate's rehearsal of a routed call does not pass through it."""
-    route = AttentionRouter._route
+    """Every bound eager call at the given sites pays 0.2 s more than the gate saw (far above the host's step, even
+    on a loaded machine): `_eager` serves them at their slot; the gate's rehearsal of a routed call passes no slot."""
+    eager = AttentionRouter._eager
 
-    def slow(self, slot, ordinal, *args, **kwargs):
-        if slot.path.startswith(sites):
+    def slow(self, table, slot, *args, **kwargs):
+        if slot is not None and slot.path.startswith(sites):
             time.sleep(0.2)
-        return route(self, slot, ordinal, *args, **kwargs)
+        return eager(self, table, slot, *args, **kwargs)
 
-    monkeypatch.setattr(AttentionRouter, "_route", slow)
+    monkeypatch.setattr(AttentionRouter, "_eager", slow)
 
 
 def state(model):

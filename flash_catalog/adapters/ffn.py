@@ -11,6 +11,7 @@ brought back for that call. The form's module is held here, never registered as 
 from __future__ import annotations
 
 import fnmatch
+import inspect
 import logging
 from typing import Any, Callable
 
@@ -24,7 +25,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..capture.calls import describe_input
 from ..pinned import PinnedCopy, pinned_copy
-from .swap import Attached, state_of
+from .swap import STATE, Attached
 
 FfnKey = tuple[tuple[int, ...], torch.dtype, torch.device]  # input shape, dtype, device
 log = logging.getLogger("flash_catalog")
@@ -48,9 +49,20 @@ def find_projection_sites(model: nn.Module, patterns: list[str]) -> dict[str, nn
             if type(m) is nn.Linear and any(fnmatch.fnmatchcase(path, p) for p in patterns)}
 
 
-def ffn_forward(module: nn.Module, host: type, hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
-    """The forward of a feed-forward site module while attached."""
-    return state_of(module).forward(hidden_states, args, kwargs)
+def ffn_forward(module: nn.Module, host: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The forward of a feed-forward site module while attached (`swap.Forward`)."""
+    return module.__dict__[STATE].forward(args, kwargs)
+
+
+def _input_name(forward: Callable[..., Any]) -> str | None:
+    """The name of a module forward's input (its first parameter after self), for calls that pass it by keyword."""
+    try:
+        params = list(inspect.signature(forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return None
+    if not params or params[0].kind not in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY):
+        return None
+    return params[0].name
 
 
 def _unmet(x: Any, plain: bool) -> str:
@@ -80,6 +92,7 @@ class FfnSite:
         self.fallbacks = 0  # eager calls only: counting is not traced
         self.routed = 0
         self._state = Attached(module)
+        self._input = _input_name(type(module).forward)
         self._homes: dict[str, torch.device] = {}
         self._pinned: list[PinnedCopy] = []
         self._seen: tuple[tuple[str, torch.Tensor, int, int], ...] = ()  # the host's tensors as the form quantised
@@ -88,8 +101,12 @@ class FfnSite:
     def install(self) -> None:
         self._state.apply(self, "ffn", ffn_forward)
 
-    def forward(self, x: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        plain = not args and not kwargs and isinstance(x, torch.Tensor)
+    def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call of the site module: one input tensor (by position, or by the name of the host forward's input) is
+        a call a form may serve; any other runs the host's forward with the arguments as they came."""
+        x = args[0] if len(args) == 1 and not kwargs else (
+            kwargs.get(self._input) if not args and len(kwargs) == 1 else None)
+        plain = isinstance(x, torch.Tensor)
         if plain and self.calibrate is not None:
             return self.calibrate(self, x)
         bound = plain and ffn_key(x) in self.keys and not torch.is_grad_enabled()
@@ -107,7 +124,7 @@ class FfnSite:
             if not self.fallbacks and self.replacement is not None:
                 log.warning("%s runs the host: %s", self.path, _unmet(x, plain))
             self.fallbacks += 1
-        return self.host_forward(x, *args, **kwargs)
+        return self.host_forward(*args, **kwargs)
 
     def retire(self, change: str) -> None:
         """The host's weights changed after the form quantised them (`change` says how): from now on the site runs

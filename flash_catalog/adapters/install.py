@@ -19,13 +19,14 @@ from .base import Adapter
 from .ffn import Calibrate, FfnSite
 from .patches import GlobalPatch, apply_all, revert_all
 from .router import AttentionRouter, Capture, Mode, SiteSlot
-from .swap import Attached, state_of, swap_refusal
+from .swap import STATE, Attached, swap_refusal
 
 
-def framed_forward(module: nn.Module, host: type, *args: Any, **kwargs: Any) -> Any:
-    """The forward of a routed attention site module: the host's forward inside the module's frame."""
-    slot = state_of(module)
-    return slot.router.framed(slot, host.forward, module, *args, **kwargs)
+def framed_forward(module: nn.Module, host: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The forward of a routed attention site module (`swap.Forward`): the host's forward inside the module's
+    frame."""
+    slot = module.__dict__[STATE]  # `state_of`, inline: this runs at every call of a routed site
+    return slot.router.framed(slot, host.forward, module, args, kwargs)
 
 
 class Installation:

@@ -65,12 +65,22 @@ class CallSignature:
     """The arguments `plain` reads by keyword: all but q, k and v."""
     _arity: int = field(init=False, repr=False, compare=False, hash=False)
     """How many of q, k, v, attn_mask `plain` may read by position: those the function takes first, in that order."""
+    _default_statics: tuple[bool, float | None, bool, bool] | None = field(init=False, repr=False, compare=False,
+                                                                           hash=False)
+    """`plain`'s static arguments of a call that passes none but the mask (None where the defaults alone would not
+    make a plain call)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "names", frozenset(self.positional) | {name for name, _ in self.defaults})
         object.__setattr__(self, "_defaults", dict(self.defaults))
         object.__setattr__(self, "_keywords", self.names - {"query", "key", "value"})
         object.__setattr__(self, "_arity", next((n for n in (4, 3) if self.positional[:n] == OPERANDS[:n]), 0))
+        default = self._defaults.get
+        plain = not default("dropout_p") and not any(default(name) for name in self.host_only) and (
+            default("scale") is None or type(default("scale")) is float)
+        statics = (bool(default("is_causal")), default("scale"), bool(default("enable_gqa")),
+                   bool(default("return_lse")))
+        object.__setattr__(self, "_default_statics", statics if plain else None)
 
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         if len(args) > len(self.positional):
@@ -93,7 +103,11 @@ class CallSignature:
         if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
                 and (mask is None or isinstance(mask, torch.Tensor))):
             return None
-        if get("dropout_p", default("dropout_p")) or q.requires_grad or k.requires_grad or v.requires_grad:
+        if q.requires_grad or k.requires_grad or v.requires_grad:
+            return None
+        if self._default_statics is not None and (not kwargs or (len(kwargs) == 1 and "attn_mask" in kwargs)):
+            return (q, k, v, mask), self._default_statics  # every other argument at its default
+        if get("dropout_p", default("dropout_p")):
             return None
         if self.host_only and any(get(name, default(name)) for name in self.host_only):
             return None
@@ -136,6 +150,9 @@ LOCAL_SIGNATURE = CallSignature(
 (`LocalHost`): (B, S, H, D) tensors; `return_lse` asks for (output, log-sum-exp (B, S, H))."""
 
 
+_NO_ROUTES: dict[StaticKey, Route] = {}  # read only
+
+
 @dataclass(eq=False)
 class SiteSlot:
     """One attention site module's routing state: its path, and per call ordinal the bound routes by static key
@@ -146,22 +163,31 @@ class SiteSlot:
     path: str
     routes: list[dict[StaticKey, Route]] = field(default_factory=list)
     known: list[set[StaticKey]] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    """Per ordinal, the site's name (`site`), built once: a routed call counts under it."""
 
     def site(self, ordinal: int) -> str:
         """The name of the site at call `ordinal` of this module: `path#ordinal`."""
         return f"{self.path}#{ordinal}"
 
     def table(self, ordinal: int) -> dict[StaticKey, Route]:
+        """The routes at call `ordinal`, to bind into (made where there are none yet)."""
         while len(self.routes) <= ordinal:
+            self.names.append(self.site(len(self.routes)))
             self.routes.append({})
             self.known.append(set())
         return self.routes[ordinal]
+
+    def table_at(self, ordinal: int) -> dict[StaticKey, Route]:
+        """The routes bound at call `ordinal` (none where calibration made none)."""
+        routes = self.routes
+        return routes[ordinal] if ordinal < len(routes) else _NO_ROUTES
 
     def bound(self) -> bool:
         return any(self.routes)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Frame:
     slot: SiteSlot
     ordinal: int = 0
@@ -255,18 +281,10 @@ def find_route(table: dict[StaticKey, Route], key: StaticKey, traced: bool | Non
 
 def _lookup(table: dict[StaticKey, Route], sig: CallSignature, args: tuple[Any, ...], kwargs: dict[str, Any],
             traced: bool) -> tuple[tuple[Route, Operands] | None, StaticKey | None]:
-    """The route in `table` that serves this call, with the call's operands (None where none does), and the call's
-    static key where it was built (None too where only the host may serve the call), for the fallback's warning.
-    An eager call in a common form (`CallSignature.plain`) is matched by each route's guard, field by field
-    (`Route.admits`): what looking its key up would find, without building and hashing the key. Any other call,
-    and one that no guard admits, is looked up by its key."""
-    if not traced and table:
-        plain = sig.plain(args, kwargs)
-        if plain is not None:
-            operands, statics = plain
-            for route in table.values():
-                if route.admits(sig.layout, *operands, statics):
-                    return (route, operands), None
+    """The route in `table` at the call's static key, with the call's operands (None where none is), and the key
+    where it was built (None too where only the host may serve the call), for the fallback's warning: the call
+    bound by name. An eager call in a common form is matched by the routes' guards first (`AttentionRouter._eager`),
+    without building its key."""
     a, _ = _bound(sig, args, kwargs)
     if a is None:
         return None, None
@@ -366,16 +384,16 @@ class AttentionRouter:
         if stack:
             stack.pop()
 
-    def framed(self, slot: SiteSlot | None, run: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
-        """`run(*args, **kwargs)` inside the site's frame (no frame when the slot is not this router's); the
-        arguments are passed on, not closed over (this runs at every call of a routed site), and may have any
-        names."""
+    def framed(self, slot: SiteSlot | None, run: Callable[..., Any], module: Any, args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> Any:
+        """`run(module, *args, **kwargs)` inside the site's frame (no frame when the slot is not this router's): the
+        arguments passed on as they came (this runs at every call of a routed site), of any names."""
         if slot is None or slot.router is not self or self.mode is Mode.OFF:
-            return run(*args, **kwargs)
-        stack = self.stack
+            return run(module, *args, **kwargs)
+        stack = self._stack(torch.compiler.is_compiling())
         stack.append(Frame(slot))
         try:
-            return run(*args, **kwargs)
+            return run(module, *args, **kwargs)
         finally:
             if stack:
                 stack.pop()
@@ -393,7 +411,7 @@ class AttentionRouter:
         from .swap import state_of
 
         def framed_attention(module: Any, *args: Any, **kwargs: Any) -> Any:
-            return self.framed(state_of(module), original, module, *args, **kwargs)
+            return self.framed(state_of(module), original, module, args, kwargs)
 
         framed_attention.__wrapped__ = original  # type: ignore[attr-defined]
         return framed_attention
@@ -461,45 +479,68 @@ class AttentionRouter:
                 call, problem = canonical(sig, args, kwargs, self.masks)
                 return self.capture(MetCall(frame.slot, ordinal, call, problem, original, args, kwargs,
                                             self.rehearsal(original, sig, args, kwargs)))
-            return self._route(frame.slot, ordinal, original, sig, args, kwargs, traced)
+            if traced:
+                return self._serve_traced(frame.slot.table_at(ordinal), original, sig, args, kwargs)
+            return self._eager(frame.slot.table_at(ordinal), frame.slot, ordinal, original, sig, args, kwargs)
         finally:
             frame.busy = False
 
     def _route(self, slot: SiteSlot, ordinal: int, original: Callable[..., torch.Tensor], sig: CallSignature,
-               args: tuple[Any, ...], kwargs: dict[str, Any], traced: bool | None = None) -> Any:
-        """A call at a bound site: its route where its static key has one, else the host. `traced`: whether dynamo
-        traces this call (None: ask)."""
-        traced = torch.compiler.is_compiling() if traced is None else traced
-        table = slot.routes[ordinal] if ordinal < len(slot.routes) else {}
-        found, key = _lookup(table, sig, args, kwargs, traced)
-        if found is None:
-            if not traced:
-                self._fallback(slot, ordinal, key)
-            return original(*args, **kwargs)
-        return self._serve(*found, slot, ordinal, original, args, kwargs, traced=traced)
+               args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call at a bound site, traced or eager: its route where its static key has one, else the host."""
+        if torch.compiler.is_compiling():
+            return self._serve_traced(slot.table_at(ordinal), original, sig, args, kwargs)
+        return self._eager(slot.table_at(ordinal), slot, ordinal, original, sig, args, kwargs)
 
-    def _serve(self, route: Route, operands: Operands, slot: SiteSlot | None, ordinal: int,
-               original: Callable[..., torch.Tensor], args: tuple[Any, ...], kwargs: dict[str, Any],
-               remember: bool = True, traced: bool | None = None) -> Any:
-        """A call whose static key has a route: its mask checked, then the route (or the host where the check
-        fails). Eager calls run the route directly; traced ones see one opaque op. `slot` None: a rehearsal,
-        counted nowhere; `remember` False: the mask is read at every call, as for a host that builds a new one.
-        `operands`: the call's q, k, v and mask."""
-        mask = operands[3]
-        compiling = torch.compiler.is_compiling() if traced is None else traced
-        if compiling or mask is None or capturing(mask):
-            choice = 0 if mask is None else CHECK_INSIDE  # traced or captured: the op checks on the device
+    @staticmethod
+    def _serve_traced(table: dict[StaticKey, Route], original: Callable[..., torch.Tensor], sig: CallSignature,
+                args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A traced call: one opaque op where its static key has a route (the op checks the mask on the device),
+        else the host."""
+        found, _ = _lookup(table, sig, args, kwargs, True)
+        if found is None:
+            return original(*args, **kwargs)
+        route, operands = found
+        return route(*operands, 0 if operands[3] is None else CHECK_INSIDE)
+
+    def _eager(self, table: dict[StaticKey, Route], slot: SiteSlot | None, ordinal: int,
+               original: Callable[..., torch.Tensor], sig: CallSignature, args: tuple[Any, ...],
+               kwargs: dict[str, Any], remember: bool = True) -> Any:
+        """An eager call: the route whose guard admits it (a plain call, `Route.admits`; any other by its key,
+        `_lookup`), its mask checked on the host (a failing check runs the host exactly), then the route run
+        directly, counted at its site. Everything a bound call costs on the host is here, in one frame: the gate
+        times this (`rehearsal`). `slot` None: a rehearsal, counted nowhere; `remember` False: the mask is read at
+        every call, as for a host that builds a new one."""
+        route = None
+        plain = sig.plain(args, kwargs) if table else None
+        if plain is not None:
+            (query, key, value, mask), statics = plain
+            layout = sig.layout
+            for candidate in table.values():
+                if candidate.admits(layout, query, key, value, mask, statics):
+                    route = candidate
+                    break
+        if route is None:
+            found, static_key = _lookup(table, sig, args, kwargs, False)
+            if found is None:
+                if slot is not None:
+                    self._fallback(slot, ordinal, static_key)
+                return original(*args, **kwargs)
+            route, (query, key, value, mask) = found
+        if mask is None:
+            choice = 0
+        elif capturing(mask):
+            choice = CHECK_INSIDE  # a CUDA graph's replays check on the device
         else:
-            choice = route.pick(mask, remember)  # eager: read here, so a failing call runs the host exactly
+            choice = route.pick(mask, remember)
             if choice == HOST:
                 if slot is not None:
                     self._fallback(slot, ordinal, None, "its mask has another structure")
                 return original(*args, **kwargs)
-        if compiling:
-            return route(*operands, choice)
         if slot is not None:
-            self._count(self.routed, slot.site(ordinal))
-        return route.serve(*operands, choice)
+            with self._counting:
+                self.routed[slot.names[ordinal]] += 1
+        return route.serve(query, key, value, mask, choice)
 
     def rehearsal(self, original: Callable[..., torch.Tensor], sig: CallSignature, args: tuple[Any, ...],
                   kwargs: dict[str, Any]) -> Rehearsal:
@@ -511,10 +552,9 @@ class AttentionRouter:
             table = {route.key: route}
 
             def routed_call() -> Any:
-                found, _ = _lookup(table, sig, args, kwargs, torch.compiler.is_compiling())
-                if found is None:
-                    return original(*args, **kwargs)
-                return self._serve(*found, None, 0, original, args, kwargs, remember)
+                if torch.compiler.is_compiling():
+                    return self._serve_traced(table, original, sig, args, kwargs)
+                return self._eager(table, None, 0, original, sig, args, kwargs, remember)
 
             return routed_call
 

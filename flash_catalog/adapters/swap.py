@@ -21,7 +21,9 @@ from torch import nn
 STATE = "_flash_catalog"
 """The attribute a routed module's state lives in while attached."""
 
-Forward = Callable[..., Any]
+Forward = Callable[[nn.Module, type, tuple[Any, ...], dict[str, Any]], Any]
+"""A routed module's forward: forward(module, host class, args, kwargs), the call's arguments as they came (one
+packing per call, not one per layer)."""
 
 
 def state_of(module: nn.Module) -> Any:
@@ -36,14 +38,14 @@ def host_type(module: nn.Module) -> type:
 
 @functools.cache
 def swapped_class(host: type, kind: str, forward: Forward | None) -> type:
-    """The subclass of `host` whose `forward` is `forward(module, host, *args, **kwargs)` (None: the host's own); one
+    """The subclass of `host` whose `forward` is `forward(module, host, args, kwargs)` (None: the host's own); one
     per (host, kind), so every module of a host class shares it (`swapped_class.cache_clear()` forgets them)."""
     members: dict[str, Any] = {"__module__": host.__module__, "__qualname__": host.__qualname__,
                                "__deepcopy__": host_copy, "_flash_catalog_kind": kind, "_flash_catalog_host": host}
     if forward is not None:
         @functools.wraps(host.forward)
         def routed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            return forward(self, host, *args, **kwargs)
+            return forward(self, host, args, kwargs)
 
         members["forward"] = routed_forward
     return type(host.__name__, (host,), members)

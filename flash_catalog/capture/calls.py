@@ -117,7 +117,7 @@ def describe_input(x: torch.Tensor) -> str:
     return f"x={dims(x.shape)} {dtype_name(x.dtype)} rows={rows}"
 
 
-@dataclass
+@dataclass(slots=True)
 class AttentionCall:
     """Q, K, V in (B, H, S, D) views of the host's tensors, plus what the host passed with them.
 

@@ -60,8 +60,11 @@ def unpin(prior: list[bool]) -> None:
 
 def run_sdpa_own_choice(backend: SDPBackend, drop_mask: bool, call: AttentionCall) -> torch.Tensor:
     """SDPA as it is, where its own choice for the call is `backend` (`own_choice`): no switch flipped per call."""
-    return _SDPA(call.query, call.key, call.value, attn_mask=None if drop_mask else call.attn_mask,
-                 dropout_p=0.0, is_causal=call.is_causal, scale=call.scale, enable_gqa=call.enable_gqa)
+    mask = None if drop_mask else call.attn_mask
+    if call.scale is None and not call.enable_gqa:  # by position, as hosts call it: keywords cost parsing
+        return _SDPA(call.query, call.key, call.value, mask, 0.0, call.is_causal)
+    return _SDPA(call.query, call.key, call.value, mask, 0.0, call.is_causal, scale=call.scale,
+                 enable_gqa=call.enable_gqa)
 
 
 def run_sdpa(backend: SDPBackend, drop_mask: bool, call: AttentionCall) -> torch.Tensor:

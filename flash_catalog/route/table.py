@@ -137,8 +137,16 @@ class Route:
 
     def _run(self, alt: Alternative, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              attn_mask: torch.Tensor | None) -> Output:
-        call = canonical_call(self.key, query, key, value, attn_mask, alt.mask)
-        return self._laid_out(call.to_host_layout(alt.runner(call)))
+        """The alternative's runner on the call in (B, H, S, D) form, its output back in the host's layout."""
+        bound = self.key
+        if bound.layout == "bshd":
+            call = AttentionCall(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask,
+                                 bound.is_causal, bound.scale, bound.enable_gqa, 0.0, "bshd", alt.mask, (),
+                                 bound.return_lse)
+            return self._laid_out(call.to_host_layout(alt.runner.fn(call)))
+        call = AttentionCall(query, key, value, attn_mask, bound.is_causal, bound.scale, bound.enable_gqa, 0.0,
+                             "bhsd", alt.mask, (), bound.return_lse)
+        return self._laid_out(alt.runner.fn(call))
 
     def _laid_out(self, out: Output) -> Output:
         """`out` with exactly the strides `empty_output` promises (a copy only where the layout differs)."""
@@ -200,16 +208,6 @@ def _conditional(take: torch.Tensor, out: Output) -> Iterator[Callable[[Callable
         yield copy
     finally:
         graph.end_capture_to_conditional_node()
-
-
-def canonical_call(key: StaticKey, query: torch.Tensor, key_t: torch.Tensor, value: torch.Tensor,
-                   attn_mask: torch.Tensor | None, mask: MaskInfo) -> AttentionCall:
-    """The AttentionCall a runner takes, from host-layout tensors and the route's static arguments."""
-    if key.layout == "bshd":
-        query, key_t, value = query.transpose(1, 2), key_t.transpose(1, 2), value.transpose(1, 2)
-    return AttentionCall(query=query, key=key_t, value=value, attn_mask=attn_mask, is_causal=key.is_causal,
-                         scale=key.scale, enable_gqa=key.enable_gqa, dropout_p=0.0, layout=key.layout, mask=mask,
-                         return_lse=key.return_lse)
 
 
 @dataclass
