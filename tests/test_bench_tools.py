@@ -55,6 +55,28 @@ def test_bench_model_image_hosts(model, tmp_path, fresh_clock):
     assert check["x"] == rows["attached eager"]["x_host_eager"] and check["ok"] == (check["x"] >= 1.0)
 
 
+def test_an_eager_row_of_a_plan_gated_compiled_is_not_held_to_the_eager_host():
+    """The compiling user's plan run eager is not the eager user's: its check says so instead of passing or failing;
+    the same row of a plan gated eager is held, and compiled rows always are."""
+    rows = [{"row": "host eager", "profile": None, "status": "ok", "ms": 10.0},
+            {"row": "attached eager", "profile": "p", "status": "ok", "ms": 11.0, "x_host_eager": 0.91},
+            {"row": "attached compiled", "profile": "p", "status": "ok", "ms": 8.0, "x_host_compiled": 1.2}]
+    checks = {c["row"]: c for c in bench_model.never_slower(rows, [{"profile": "p", "gated_compiled": True}])}
+    assert checks["attached eager"]["ok"] is None and checks["attached compiled"]["ok"] is True
+    checks = {c["row"]: c for c in bench_model.never_slower(rows, [{"profile": "p", "gated_compiled": False}])}
+    assert checks["attached eager"]["ok"] is False and checks["attached eager"]["noisy"] == []
+
+
+def test_a_check_names_its_noisy_rows():
+    """A row whose steps spread by more than 10% of their median is named in the checks it takes part in."""
+    rows = [{"row": "host compiled", "profile": None, "status": "ok", "ms": 10.0, "spread": 0.02},
+            {"row": "attached compiled", "profile": "p", "status": "ok", "ms": 8.0, "x_host_compiled": 1.25,
+             "spread": 0.01},
+            {"row": "peer compiled", "profile": None, "status": "ok", "ms": 9.0, "spread": 0.19}]
+    (check,) = bench_model.never_slower(rows, [{"profile": "p", "gated_compiled": True}])
+    assert check["ok"] is True and check["noisy"] == ["peer compiled"] and check["x_peer"] == 9.0 / 8.0
+
+
 def test_the_published_configs_and_inputs():
     """The full sizes, checked without building anything: the configs the docstring states and the token counts."""
     flux, sd3, qwen = (bench_model.FAMILIES[f].config for f in ("flux", "sd3", "qwenimage"))
