@@ -8,7 +8,9 @@ runs eagerly anyway)."""
 
 from __future__ import annotations
 
+import cProfile
 import hashlib
+import pstats
 from pathlib import Path
 
 import pytest
@@ -50,6 +52,13 @@ def masks_passed(model, batch):
     return seen
 
 
+def python_calls(model, batch):
+    """Every Python function one host forward calls, with how many times (cProfile's count)."""
+    profiler = cProfile.Profile()
+    profiler.runcall(run, model, batch)
+    return {f"{file}:{line}:{name}": stat[1] for (file, line, name), stat in pstats.Stats(profiler).stats.items()}
+
+
 def cosine(a, b):
     a, b = a.double().flatten(), b.double().flatten()
     return float(a @ b / (a.norm() * b.norm()))
@@ -77,6 +86,7 @@ def test_variate_attention_binds_grouped_tiles_and_detaches_exactly(tmp_path):
 
     reference = run(model, batch)
     state = {k: v.clone() for k, v in model.state_dict().items()}
+    calls = python_calls(model, batch)
     with torch.compiler.set_stance("force_eager"):
         plan = attach(model, (batch,), attention_forms=["grouped_tiles"], min_speedup=0, timing_rounds=1,
                       catalog=catalog)
@@ -99,3 +109,4 @@ def test_variate_attention_binds_grouped_tiles_and_detaches_exactly(tmp_path):
     after = model.state_dict()
     assert after.keys() == state.keys() and all(torch.equal(after[k], v) for k, v in state.items())
     assert torch.equal(run(model, batch), reference)
+    assert python_calls(model, batch) == calls  # nothing of the plan is left in the host's path

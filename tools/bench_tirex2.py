@@ -12,6 +12,8 @@ Variants, on the same weights, in one process:
   flex    TiRex-2's own `use_flex_attention=True` (its create_block_mask per call + compiled flex_attention)
   attach  `flash_catalog.attach(model, (batch,))` with default options (`--forms`, `--min-speedup` to change them),
           the real gate; timed after attach, then detached and checked bit-exact against the dense output
+Per case, in that order: dense, attach (then detach, and the dense host timed again: the run's drift), flex last,
+so that nothing TiRex-2's own compile leaves in the process reaches the timings the attached model is judged by.
 Scopes: `attn` = one AttentionLayer call (block 0's variate attention, its inputs captured from a host forward),
 `block` = one MultivariateBlock call (time mixer + variate mixer, block `--block`), `model` = the whole forward.
 Each time is the median of `--reps` calls after `--warmup` (CUDA events around each call; TiRex-2 itself syncs the
@@ -247,6 +249,8 @@ class Bench:
         ref: dict[str, torch.Tensor] = {}
         for scope in SCOPES:
             self.record(case, "dense", scope, scopes.call(scope), ref)
+        if "attach" in self.args.variants:
+            self.attached(model, case, scopes, batch, ref)
         if "flex" in self.args.variants:
             try:
                 tirex2_host.set_flex_attention(model, True)
@@ -257,8 +261,6 @@ class Bench:
                 log(f"  flex failed: {case['flex_error']}")
             finally:
                 tirex2_host.set_flex_attention(model, False)
-        if "attach" in self.args.variants:
-            self.attached(model, case, scopes, batch, ref)
         case["seconds"] = time.monotonic() - t0
         self.save()
 
