@@ -248,7 +248,8 @@ def sage2_cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
     if why is not None:
         raise ValueError(f"the sage2 CUDA kernel cannot serve this call: {why}")
     if q.shape[:-1].numel() == 0:
-        out = new_output(tuple(q.shape), q.dtype, q.device, out_layout)
+        b, h, sq, d = q.shape
+        out = new_output((b, h, sq, d), q.dtype, q.device, out_layout)
         return (out, torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)) if return_lse else out
     sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     staged = quantize_qkv(q, k, v, sm_scale=sm_scale, pv=pv, block_m=STAGING_TILES[0], block_n=STAGING_TILES[1],
