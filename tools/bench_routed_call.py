@@ -11,7 +11,7 @@ drift (a shared CPU's clock and load) falls on all three alike. The overhead is 
 (attached - host) / sites; "over its kernels" the median of (attached - pinned host) / sites: the router's own cost,
 where the form's backend launches at another host cost than the host's default choice (cuDNN's does, at tiny
 shapes on CUDA). Host and attached outputs are checked equal up to the bound form's rounding. `--profile N` prints
-the N costliest functions of the first bound case's attached forwards.
+the N costliest functions of each bound case's attached forwards.
 
     python tools/bench_routed_call.py [--sites 200] [--reps 30] [--warmup 10] [--device cpu] [--profile 25]
                                       [--json routed_call.json]
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=10, help="untimed rounds before the timed ones")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
-                   help="print the N costliest functions (cProfile, by own time) of the first bound case")
+                   help="print the N costliest functions (cProfile, by own time) of each bound case")
     p.add_argument("--json", type=Path, default=None, help="write the rows here")
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         if backend is not None:
             rounds["pinned"] = lambda: pinned_forward_s(host, inputs, device, BACKENDS[backend])
         samples = paired(rounds, args.warmup, args.reps)
-        if args.profile and "bound" in outcomes and not any(r["profiled"] for r in rows):
+        if args.profile and "bound" in outcomes:
             profiler = cProfile.Profile()
             profiler.runcall(lambda: [forward_s(model, inputs, device) for _ in range(5)])
             print(f"-- {name}: the {args.profile} costliest functions of 5 attached forwards ({args.sites} calls each)")
