@@ -494,7 +494,7 @@ class AttentionRouter:
 
     @staticmethod
     def _serve_traced(table: dict[StaticKey, Route], original: Callable[..., torch.Tensor], sig: CallSignature,
-                args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+                      args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A traced call: one opaque op where its static key has a route (the op checks the mask on the device),
         else the host."""
         found, _ = _lookup(table, sig, args, kwargs, True)
