@@ -1,5 +1,6 @@
-"""The eager guard of a bound route (`Route.admits`, fed by `CallSignature.plain`): it admits a call exactly when
-the call's static key is the route's, and leaves every call it cannot read plainly to the lookup by key."""
+"""The eager guard of a bound route (`Route.admits`: the call's `call_guard` against `Route.guard`, fed by
+`CallSignature.plain`): it admits a call exactly when the call's static key is the route's, and leaves every call it
+cannot read plainly to the lookup by key."""
 
 from __future__ import annotations
 

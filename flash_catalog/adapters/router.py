@@ -30,7 +30,7 @@ import torch
 
 from ..capture.calls import AttentionCall, StaticKey, dims
 from ..capture.masks import MaskCache
-from ..route.table import CHECK_INSIDE, HOST, Route, capturing
+from ..route.table import CHECK_INSIDE, HOST, Route, call_guard, capturing
 
 log = logging.getLogger("flash_catalog")
 
@@ -506,7 +506,7 @@ class AttentionRouter:
     def _eager(self, table: dict[StaticKey, Route], slot: SiteSlot | None, ordinal: int,
                original: Callable[..., torch.Tensor], sig: CallSignature, args: tuple[Any, ...],
                kwargs: dict[str, Any], remember: bool = True) -> Any:
-        """An eager call: the route whose guard admits it (a plain call, `Route.admits`; any other by its key,
+        """An eager call: the route whose guard is the call's (a plain call, `call_guard`; any other by its key,
         `_lookup`), its mask checked on the host (a failing check runs the host exactly), then the route run
         directly, counted at its site. Everything a bound call costs on the host is here, in one frame: the gate
         times this (`rehearsal`). `slot` None: a rehearsal, counted nowhere; `remember` False: the mask is read at
@@ -515,9 +515,9 @@ class AttentionRouter:
         plain = sig.plain(args, kwargs) if table else None
         if plain is not None:
             (query, key, value, mask), statics = plain
-            layout = sig.layout
+            guard = call_guard(sig.layout, query, key, value, mask, statics)
             for candidate in table.values():
-                if candidate.admits(layout, query, key, value, mask, statics):
+                if candidate.guard == guard:
                     route = candidate
                     break
         if route is None:

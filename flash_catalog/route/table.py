@@ -63,27 +63,21 @@ class Route:
     out_shape: tuple[int, ...] = field(init=False, repr=False)
     out_strides: tuple[int, ...] = field(init=False, repr=False)
     """The output's shape at the route's key, and the strides `empty_output` gives it: computed once, not per call."""
-    statics: tuple[bool, float | None, bool, bool] = field(init=False, repr=False)
-    """The key's static arguments (is_causal, scale, enable_gqa, return_lse), for `admits`."""
+    guard: tuple = field(init=False, repr=False)
+    """The key as `call_guard` spells an eager call's metadata: the route admits a call whose guard equals it."""
 
     def __post_init__(self) -> None:
-        self.out_shape = (*self.key.q[:-1], self.key.v[-1])
+        bound = self.key
+        self.out_shape = (*bound.q[:-1], bound.v[-1])
         self.out_strides = dense_strides(self.out_shape, self.out_order)
-        self.statics = (self.key.is_causal, self.key.scale, self.key.enable_gqa, self.key.return_lse)
+        self.guard = (bound.q, bound.k, bound.v, (bound.is_causal, bound.scale, bound.enable_gqa, bound.return_lse),
+                      bound.layout, bound.dtype, bound.device, bound.mask_shape, bound.mask_dtype, bound.strides,
+                      bound.aligned)
 
     def admits(self, layout: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attn_mask: torch.Tensor | None, statics: tuple[bool, float | None, bool, bool]) -> bool:
-        """An eager call's metadata is the route's key, field by field: what `StaticKey.of` would build, compared
-        without building or hashing it (a guard per route; the first field that differs ends it). `statics`: as
-        `StaticKey.of` spells them (`CallSignature.plain`)."""
-        bound = self.key
-        return (query.shape == bound.q and key.shape == bound.k and value.shape == bound.v
-                and statics == self.statics and layout == bound.layout
-                and query.dtype == bound.dtype and query.device == bound.device
-                and ((attn_mask.shape == bound.mask_shape and attn_mask.dtype == bound.mask_dtype)
-                     if attn_mask is not None else bound.mask_shape is None)
-                and (query.stride(), key.stride(), value.stride()) == bound.strides
-                and alignment(query, key, value) == bound.aligned)
+        """Whether an eager call's metadata is the route's key (`call_guard`)."""
+        return call_guard(layout, query, key, value, attn_mask, statics) == self.guard
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attn_mask: torch.Tensor | None, choice: int) -> Output:
@@ -175,6 +169,16 @@ class Route:
             with _conditional(take, out) as record:
                 record(produce)
         return out
+
+
+def call_guard(layout: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attn_mask: torch.Tensor | None, statics: tuple[bool, float | None, bool, bool]) -> tuple:
+    """An eager call's metadata in the order of `Route.guard`: what `StaticKey.of` would build, read once and
+    compared as one tuple with each bound route's, without building or hashing a key. `statics`: as `StaticKey.of`
+    spells them (`CallSignature.plain`)."""
+    return (query.shape, key.shape, value.shape, statics, layout, query.dtype, query.device,
+            None if attn_mask is None else attn_mask.shape, None if attn_mask is None else attn_mask.dtype,
+            (query.stride(), key.stride(), value.stride()), alignment(query, key, value))
 
 
 def capturing(t: torch.Tensor) -> bool:
