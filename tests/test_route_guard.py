@@ -1,4 +1,4 @@
-"""The eager guard of a bound route (`Route.admits`: the call's `call_guard` against `Route.guard`, fed by
+"""The eager guard of a bound route (`Route.admits`: the call's `call_guard` against the route's key, fed by
 `CallSignature.plain`): it admits a call exactly when the call's static key is the route's, and leaves every call it
 cannot read plainly to the lookup by key."""
 

@@ -517,7 +517,7 @@ class AttentionRouter:
             (query, key, value, mask), statics = plain
             guard = call_guard(sig.layout, query, key, value, mask, statics)
             for candidate in table.values():
-                if candidate.guard == guard:
+                if candidate.key == guard:
                     route = candidate
                     break
         if route is None:

@@ -63,21 +63,15 @@ class Route:
     out_shape: tuple[int, ...] = field(init=False, repr=False)
     out_strides: tuple[int, ...] = field(init=False, repr=False)
     """The output's shape at the route's key, and the strides `empty_output` gives it: computed once, not per call."""
-    guard: tuple = field(init=False, repr=False)
-    """The key as `call_guard` spells an eager call's metadata: the route admits a call whose guard equals it."""
 
     def __post_init__(self) -> None:
-        bound = self.key
-        self.out_shape = (*bound.q[:-1], bound.v[-1])
+        self.out_shape = (*self.key.q[:-1], self.key.v[-1])
         self.out_strides = dense_strides(self.out_shape, self.out_order)
-        self.guard = (bound.q, bound.k, bound.v, (bound.is_causal, bound.scale, bound.enable_gqa, bound.return_lse),
-                      bound.layout, bound.dtype, bound.device, bound.mask_shape, bound.mask_dtype, bound.strides,
-                      bound.aligned)
 
     def admits(self, layout: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attn_mask: torch.Tensor | None, statics: tuple[bool, float | None, bool, bool]) -> bool:
         """Whether an eager call's metadata is the route's key (`call_guard`)."""
-        return call_guard(layout, query, key, value, attn_mask, statics) == self.guard
+        return call_guard(layout, query, key, value, attn_mask, statics) == self.key
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attn_mask: torch.Tensor | None, choice: int) -> Output:
@@ -173,12 +167,13 @@ class Route:
 
 def call_guard(layout: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attn_mask: torch.Tensor | None, statics: tuple[bool, float | None, bool, bool]) -> tuple:
-    """An eager call's metadata in the order of `Route.guard`: what `StaticKey.of` would build, read once and
-    compared as one tuple with each bound route's, without building or hashing a key. `statics`: as `StaticKey.of`
-    spells them (`CallSignature.plain`)."""
-    return (query.shape, key.shape, value.shape, statics, layout, query.dtype, query.device,
+    """An eager call's metadata as a plain tuple in `StaticKey`'s field order: equal to a route's key exactly where
+    `StaticKey.of` would build that key (shapes stay `torch.Size`, which compare equal to tuples), read once and
+    compared with each bound route's key, without building or hashing one. `statics`: (is_causal, scale,
+    enable_gqa, return_lse) as `StaticKey.of` spells them (`CallSignature.plain`)."""
+    return (layout, query.shape, key.shape, value.shape, query.dtype, query.device,
             None if attn_mask is None else attn_mask.shape, None if attn_mask is None else attn_mask.dtype,
-            (query.stride(), key.stride(), value.stride()), alignment(query, key, value))
+            *statics, (query.stride(), key.stride(), value.stride()), alignment(query, key, value))
 
 
 def capturing(t: torch.Tensor) -> bool:
