@@ -104,14 +104,13 @@ class FfnSite:
     def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call of the site module: one input tensor (by position, or by the name of the host forward's input) is
         a call a form may serve; any other runs the host's forward with the arguments as they came."""
-        given = args[0] if len(args) == 1 and not kwargs else (
+        x: Any = args[0] if len(args) == 1 and not kwargs else (
             kwargs.get(self._input) if not args and len(kwargs) == 1 and self._input is not None else None)
-        x = given if isinstance(given, torch.Tensor) else None
-        plain = x is not None
-        if x is not None and self.calibrate is not None:
+        plain = isinstance(x, torch.Tensor)
+        if plain and self.calibrate is not None:
             return self.calibrate(self, x)
-        bound = x is not None and ffn_key(x) in self.keys and not torch.is_grad_enabled()
-        if bound and x is not None and self.replacement is not None:
+        bound = plain and ffn_key(x) in self.keys and not torch.is_grad_enabled()
+        if bound and self.replacement is not None:
             if torch.compiler.is_compiling():
                 return self.replacement(x)
             written = self._written()
@@ -121,7 +120,7 @@ class FfnSite:
             self.retire(f"{written} was written")
         # a bound input whose site retired, or an input calibration did not meet (counted, eager only)
         if not torch.compiler.is_compiling() and self.calibrate is None and (
-                bound or not (x is not None and ffn_key(x) in self.known)):
+                bound or not (plain and ffn_key(x) in self.known)):
             if not self.fallbacks and self.replacement is not None:
                 log.warning("%s runs the host: %s", self.path, _unmet(x, plain))
             self.fallbacks += 1

@@ -538,8 +538,7 @@ class AttentionRouter:
                     self._fallback(slot, ordinal, None, "its mask has another structure")
                 return original(*args, **kwargs)
         if slot is not None:
-            with self._counting:
-                self.routed[slot.names[ordinal]] += 1
+            self._count(self.routed, slot.names[ordinal])
         return route.serve(query, key, value, mask, choice)
 
     def rehearsal(self, original: Callable[..., torch.Tensor], sig: CallSignature, args: tuple[Any, ...],
