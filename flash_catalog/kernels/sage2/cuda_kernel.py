@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from ..cuda_build import CudaBuild, arch_refusal, load_library
-from .quant import (Sage2Staged, add_key_mean, quantize_qkv, refuse_grad, staging_keys_of,
+from .quant import (Sage2Staged, add_key_mean, empty_result, quantize_qkv, refuse_grad, staging_keys_of,
                     validate_inputs)
 from ..staging import StagingKey, StagingPool
 
@@ -249,8 +249,7 @@ def sage2_cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
         raise ValueError(f"the sage2 CUDA kernel cannot serve this call: {why}")
     if q.shape[:-1].numel() == 0:
         b, h, sq, d = q.shape
-        out = new_output((b, h, sq, d), q.dtype, q.device, out_layout)
-        return (out, torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)) if return_lse else out
+        return empty_result(q, return_lse, new_output((b, h, sq, d), q.dtype, q.device, out_layout))
     sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     staged = quantize_qkv(q, k, v, sm_scale=sm_scale, pv=pv, block_m=STAGING_TILES[0], block_n=STAGING_TILES[1],
                           validate=False, staging=staging, **staging_options(pv))

@@ -88,10 +88,13 @@ def staging_keys_of(q: torch.Tensor, k: torch.Tensor, *, pv: str, block_m: int, 
     return tuple(StagingKey(name, shape, dtype, q.device, pv) for name, (shape, dtype) in layout.items())
 
 
-def empty_result(q: torch.Tensor, return_lse: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def empty_result(q: torch.Tensor, return_lse: bool,
+                 out: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """What an attention call with no query rows (a zero batch, head or sequence size) returns: an empty output in
-    q's shape and dtype, with an empty float32 log-sum-exp when asked for; no kernel runs."""
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    q's shape and dtype (`out` where the caller lays it out itself), with an empty float32 log-sum-exp when asked
+    for; no kernel runs."""
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     return (out, torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)) if return_lse else out
 
 
