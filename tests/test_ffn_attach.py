@@ -91,7 +91,8 @@ def test_profiles_select_forms_and_explicit_lists_outrank_them():
     assert all(s.kind == "attention" for s in plan.sites)
     detach(plan)
     with pytest.raises(ValueError, match=r"unknown profile 'fast'; known: fp8_accurate, fp8_balance, fp8_balance_proj, "
-                                         r"fp8_balance_sage, int8_balance, int8_balance_sage, nvfp4_balance_sage"):
+                                         r"fp8_balance_sage, int8_balance, int8_balance_sage, int8_linears, "
+                                         r"nvfp4_balance_sage"):
         attach(host.model, host.inputs(), profile="fast")
     with pytest.raises(ValueError, match=r"unknown vision_ffn form\(s\) 'int3'; known: int8_rowwise, fp8_rowwise, "
                                          r"fp8_rowwise_up, nvfp4_w4a4"):
@@ -156,6 +157,20 @@ def test_whitelisted_projections_are_quantized_sites():
         assert torch.nn.functional.cosine_similarity(a.float().flatten(), r.float().flatten(), dim=0) > 0.999
     detach(plan)
     assert all(torch.equal(a, r) for a, r in zip(run(host.model, inputs), reference))
+
+
+def test_a_projection_glob_leaves_the_linears_inside_a_feed_forward_site_to_it():
+    """`int8_linears` (every nn.Linear): a FeedForward is one site, whole; its own linears are not sites of their
+    own, while the linears outside it are."""
+    host = build("ltx", dtype=torch.bfloat16)
+    ffn = {p for p, m in host.model.named_modules() if isinstance(m, FeedForward)}
+    linears = {p for p, m in host.model.named_modules() if type(m) is torch.nn.Linear}
+    plan = attach(host.model, host.inputs(), profile="int8_linears", attention_forms=[], min_speedup=0)
+    names = {s.name for s in plan.sites if s.kind == "ffn"}
+    inside = {p for p in linears if any(p.startswith(f"{f}.") for f in ffn)}
+    assert ffn and inside and "transformer_blocks.0.attn1.to_q" in names
+    assert names == ffn | (linears - inside), sorted(names ^ (ffn | (linears - inside)))
+    detach(plan)
 
 
 def test_the_projection_profile_names_its_patterns():

@@ -110,3 +110,27 @@ def test_variate_attention_binds_grouped_tiles_and_detaches_exactly(tmp_path):
     assert after.keys() == state.keys() and all(torch.equal(after[k], v) for k, v in state.items())
     assert torch.equal(run(model, batch), reference)
     assert python_calls(model, batch) == calls  # nothing of the plan is left in the host's path
+
+
+def test_the_int8_linears_profile_binds_the_variate_mixers_linears_and_detaches_exactly():
+    """TiRex-2's linears are plain `nn.Linear`s under its own names (WQ/WK/WV/WO, an MLP's wi/wo): `int8_linears`
+    makes each a site. Forced binds (the machinery, on Triton's interpreter) match the host; detach restores it."""
+    model = tirex2_host.build("tiny")
+    batch = tirex2_host.batch(model, WINDOWS, COVARIATES)
+    reference = run(model, batch)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.compiler.set_stance("force_eager"):
+        plan = attach(model, (batch,), profile="int8_linears", sites=["stack.0.variate_mixer.*"], min_speedup=0,
+                      timing_rounds=1)
+    try:
+        assert plan.options.ffn_forms == ("int8_rowwise",) and plan.options.projections == ("*",)
+        mixer = "stack.0.variate_mixer"
+        linears = {f"{mixer}.attn.{w}" for w in ("WQ", "WK", "WV", "WO")} | {f"{mixer}.ffn.wi", f"{mixer}.ffn.wo"}
+        bound = {s.name: s.shapes[0].form for s in plan.sites if s.kind == "ffn" and s.shapes[0].outcome == "bound"}
+        assert bound == {name: "int8_rowwise" for name in linears}, str(plan)
+        assert cosine(run(model, batch), reference) > 0.999
+    finally:
+        detach(plan)
+    after = model.state_dict()
+    assert after.keys() == state.keys() and all(torch.equal(after[k], v) for k, v in state.items())
+    assert torch.equal(run(model, batch), reference)

@@ -54,8 +54,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="also print torch.profiler's CPU/GPU table of 20 attached calls of each case (where the time "
                         "beyond the kernel goes)")
+    p.add_argument("--ffn-forms", default=None,
+                   help="attach's ffn_forms (comma-separated), for the linears --projections names (default: none)")
+    p.add_argument("--projections", default=None,
+                   help="attach's projections, comma-separated globs of nn.Linear paths (the ragged module's: "
+                        "qkv,out)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
+    linears = {k: v.split(",") for k, v in (("ffn_forms", args.ffn_forms), ("projections", args.projections)) if v}
     if not torch.cuda.is_available():
         print("bench_mask_sites needs a CUDA device", file=sys.stderr)
         return 2
@@ -71,17 +77,22 @@ def main(argv: list[str] | None = None) -> int:
         host_ms = triton.testing.do_bench(call, return_mode="median")
         started = time.perf_counter()
         forms = None if args.default_order or not case.form else [case.form]
-        plan = attach(case.model, case.inputs, attention_forms=forms)
+        plan = attach(case.model, case.inputs, attention_forms=forms, **linears)
         attach_s = time.perf_counter() - started
         attached = call()
         attached_ms = triton.testing.do_bench(call, return_mode="median")
         if args.profile:
             profile(name, call)
-        shape = plan.sites[0].shapes[0]
+        shape = next(site for site in plan.sites if site.kind == "attention").shapes[0]
+        linear_outcomes = [f"{site.name}: {s.outcome} {s.form or ''} {s.speedup or 0:.2f}x"
+                           for site in plan.sites if site.kind != "attention" for s in site.shapes]
+        if linear_outcomes:
+            print(f"{name}: linears " + "; ".join(linear_outcomes), flush=True)
         cos = F.cosine_similarity(attached.double().flatten(), reference.double().flatten(), dim=0).item()
         rows.append({"case": name, "outcome": shape.outcome, "form": shape.form, "gate": shape.speedup,
                      "host_ms": host_ms, "attached_ms": attached_ms, "speedup": host_ms / attached_ms,
-                     "cosine": cos, "attach_s": attach_s, "reason": shape.reason})
+                     "cosine": cos, "attach_s": attach_s, "reason": shape.reason,
+                     "linears": linear_outcomes})
         detach(plan)
         del case, reference, attached
         torch.cuda.empty_cache()

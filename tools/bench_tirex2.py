@@ -10,7 +10,8 @@ do not see the target), rebuilt by TiRex-2 on every call.
 Variants, on the same weights, in one process:
   dense   TiRex-2 as shipped (`use_flex_attention=False`): torch SDPA with the dense bool mask
   flex    TiRex-2's own `use_flex_attention=True` (its create_block_mask per call + compiled flex_attention)
-  attach  `flash_catalog.attach(model, (batch,))` with default options (`--forms`, `--min-speedup` to change them),
+  attach  `flash_catalog.attach(model, (batch,))` with default options (`--forms`, `--min-speedup`, `--profile`,
+          `--ffn-forms` and `--projections` to change them: with the last two the linears they name are sites too),
           the real gate; timed after attach, then detached and checked bit-exact against the dense output
 Per case, in that order: dense, attach (then detach, and the dense host timed again: the run's drift), flex last,
 so that nothing TiRex-2's own compile leaves in the process reaches the timings the attached model is judged by.
@@ -26,7 +27,7 @@ native kernels, where TiRex-2's own fail (the JSON and the table say which ran).
 
     python tools/bench_tirex2.py [--windows 8,32,64,128] [--dtypes float32,bfloat16] [--variants dense,flex,attach]
         [--forms grouped_tiles,flex_blocksparse] [--min-speedup 1.02] [--reps 20] [--warmup 2] [--budget-s 290]
-        [--json bench_tirex2.json]
+        [--ffn-forms int8_rowwise --projections 'stack.*.variate_mixer.attn.W?'] [--json bench_tirex2.json]
     python tools/bench_tirex2.py --tiny --device cpu --windows 2 --dtypes float32 --reps 2   # smoke test
 """
 
@@ -145,9 +146,14 @@ def plan_summary(plan) -> dict[str, Any]:
     shapes = [(site.name, shape) for site in plan.sites for shape in site.shapes]
     outcomes = Counter(f"{s.outcome}:{s.form}" if s.form else s.outcome for _, s in shapes)
     timed_at = next((s for _, s in shapes if s.speedup is not None), None)
+    by_form: dict[str, list[float]] = {}
+    for _, s in shapes:
+        if s.speedup is not None and s.form:
+            by_form.setdefault(s.form, []).append(s.speedup)
     return {"outcomes": dict(outcomes), "sites": len(plan.sites),
             "shape": timed_at.shape if timed_at else (shapes[0][1].shape if shapes else None),
             "speedup": timed_at.speedup if timed_at else None, "form": timed_at.form if timed_at else None,
+            "speedups": {form: statistics.median(v) for form, v in by_form.items()},
             "reasons": sorted({s.reason.splitlines()[0][:240] for _, s in shapes if s.reason}),
             "trail": shapes[0][1].trail if shapes else []}
 
@@ -271,6 +277,12 @@ class Bench:
             options["attention_forms"] = self.args.forms
         if self.args.min_speedup is not None:
             options["min_speedup"] = self.args.min_speedup
+        if self.args.profile is not None:
+            options["profile"] = self.args.profile
+        if self.args.ffn_forms is not None:
+            options["ffn_forms"] = self.args.ffn_forms
+        if self.args.projections is not None:
+            options["projections"] = self.args.projections
         t0 = time.monotonic()
         try:
             plan = attach(model, (batch,), **options)
@@ -368,15 +380,15 @@ def print_table(data: dict[str, Any]) -> None:
             print(f"{case['dtype']:9s} {case['windows']:4d} {case['variates']:5d} {scope:5s} "
                   f"{dms if dms is not None else float('nan'):9.3f} {cell(by.get((*key, 'flex', scope)), dms)} "
                   f"{cell(by.get((*key, 'attach', scope)), dms)}")
-    print("\nplans (per case: outcomes over the variate-attention sites; the gate's speedup for the form it timed):")
+    print("\nplans (per case: outcomes over the sites; the gate's median speedup per bound or timed form):")
     for case in data["cases"]:
         if case.get("skipped"):
             continue
         if "plan" in case:
             p = case["plan"]
-            sp = f"{p['speedup']:.2f}x" if p["speedup"] else "-"
+            sp = ", ".join(f"{form} {x:.2f}x" for form, x in p.get("speedups", {}).items()) or "-"
             print(f"  {case['dtype']:9s} W={case['windows']:<4d} attach {case['attach_s']:6.1f} s  {p['outcomes']}  "
-                  f"gate: {p['form'] or '-'} {sp}  routed {case.get('routed')} fallbacks {case.get('fallbacks')}  "
+                  f"gate: {sp}  routed {case.get('routed')} fallbacks {case.get('fallbacks')}  "
                   f"detach exact {case.get('detach_exact')}" + _drift(by, case))
         elif "attach_error" in case:
             print(f"  {case['dtype']:9s} W={case['windows']:<4d} attach failed: {case['attach_error'][:200]}")
@@ -396,6 +408,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--variants", type=csv(str), default=list(VARIANTS), help="dense always runs (the reference)")
     p.add_argument("--forms", type=csv(str), default=None, help="attach's attention_forms (default: the catalog's)")
     p.add_argument("--min-speedup", type=float, default=None, help="attach's min_speedup (default: each spec's)")
+    p.add_argument("--profile", default=None, help="attach's profile (e.g. int8_linears: every linear a site too)")
+    p.add_argument("--ffn-forms", type=csv(str), default=None,
+                   help="attach's ffn_forms, for the linears --projections names (default: none)")
+    p.add_argument("--projections", type=csv(str), default=None,
+                   help="attach's projections: globs of the nn.Linear paths the ffn forms may take, e.g. "
+                        "'stack.*.variate_mixer.attn.W?' (TiRex-2's variate-attention Q, K, V, O)")
     p.add_argument("--covariates", type=int, default=16, help="covariates per window (plus one target)")
     p.add_argument("--block", type=int, default=0, help="the MultivariateBlock timed as the `block` scope")
     p.add_argument("--reps", type=int, default=20, help="timed calls per measurement (median)")

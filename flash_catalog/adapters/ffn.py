@@ -13,7 +13,7 @@ from __future__ import annotations
 import fnmatch
 import inspect
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -43,10 +43,13 @@ def find_ffn_sites(model: nn.Module) -> dict[str, nn.Module]:
     return {path: m for path, m in model.named_modules() if isinstance(m, FeedForward)}
 
 
-def find_projection_sites(model: nn.Module, patterns: list[str]) -> dict[str, nn.Module]:
-    """`nn.Linear` modules whose path matches a whitelisted glob (attention projections, say)."""
+def find_projection_sites(model: nn.Module, patterns: list[str], within: Iterable[str] = ()) -> dict[str, nn.Module]:
+    """`nn.Linear` modules whose path matches a whitelisted glob (attention projections, say), except those inside
+    a feed-forward site of `within` (its paths): that site's forms take its linears whole."""
+    inside = tuple(f"{path}." if path else "" for path in within)
     return {path: m for path, m in model.named_modules()
-            if type(m) is nn.Linear and any(fnmatch.fnmatchcase(path, p) for p in patterns)}
+            if type(m) is nn.Linear and any(fnmatch.fnmatchcase(path, p) for p in patterns)
+            and not path.startswith(inside)}
 
 
 def ffn_forward(module: nn.Module, host: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
