@@ -111,7 +111,7 @@ def test_specs_check_the_shipped_catalog_and_profiles(capsys):
     flat = " ".join(out.split())  # lines over 120 columns (a long checkout path) wrap
     assert re.search(r"ok \S+sdpa_dense\.toml: sdpa_dense \(attention_core, native\)", flat)
     assert re.search(r"ok \S+profiles/fp8_balance\.toml: profile fp8_balance \(fp8_rowwise\)", flat)
-    assert out.rstrip().endswith("13 spec file(s) and 7 profile file(s), 0 bad")
+    assert out.rstrip().endswith("13 spec file(s) and 8 profile file(s), 0 bad")
 
 
 def test_specs_check_reports_every_problem_with_exit_1_and_json(capsys, tmp_path):
