@@ -52,9 +52,13 @@ def find_projection_sites(model: nn.Module, patterns: list[str], within: Iterabl
             and not path.startswith(inside)}
 
 
-def ffn_forward(module: nn.Module, host: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The forward of a feed-forward site module while attached (`swap.Forward`)."""
-    return module.__dict__[STATE].forward(args, kwargs)
+def ffn_forward_for(host: type) -> Callable[..., Any]:
+    """The forward of a feed-forward site module's class while attached (`swap.ForwardFor`): its site's."""
+
+    def ffn_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return module.__dict__[STATE].forward(args, kwargs)
+
+    return ffn_forward
 
 
 def _input_name(forward: Callable[..., Any]) -> str | None:
@@ -102,7 +106,7 @@ class FfnSite:
         # them: name, tensor, version counter, storage address
 
     def install(self) -> None:
-        self._state.apply(self, "ffn", ffn_forward)
+        self._state.apply(self, "ffn", ffn_forward_for)
 
     def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call of the site module: one input tensor (by position, or by the name of the host forward's input) is

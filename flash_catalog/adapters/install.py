@@ -10,7 +10,7 @@ site modules left with no route lose their state and hooks. `uninstall` undoes e
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
@@ -19,14 +19,18 @@ from .base import Adapter
 from .ffn import Calibrate, FfnSite
 from .patches import GlobalPatch, apply_all, revert_all
 from .router import AttentionRouter, Capture, Mode, SiteSlot
-from .swap import STATE, Attached, swap_refusal
+from .swap import STATE, Attached, ForwardFor, swap_refusal
 
 
-def framed_forward(module: nn.Module, host: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The forward of a routed attention site module (`swap.Forward`): the host's forward inside the module's
-    frame."""
-    slot = module.__dict__[STATE]  # `state_of`, inline: this runs at every call of a routed site
-    return slot.router.framed(slot, host.forward, module, args, kwargs)
+def framed_forward_for(host: type) -> Callable[..., Any]:
+    """The forward of a routed attention site module's class (`swap.ForwardFor`): the host's forward inside the
+    module's frame."""
+
+    def framed_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        slot = module.__dict__[STATE]  # `state_of`, inline: this runs at every call of a routed site
+        return slot.router.framed(slot, host.forward, module, args, kwargs)
+
+    return framed_forward
 
 
 class Installation:
@@ -97,7 +101,7 @@ class Installation:
             if not slot.bound():
                 self._detach(path)
             elif self.hooks:
-                self._attach(path, framed_forward)
+                self._attach(path, framed_forward_for)
         self.router.capture = None
         self.router.mode = Mode.ROUTE
 
@@ -140,9 +144,9 @@ class Installation:
         out.update({s.path: getattr(s, kind) for s in self.ffn_sites if getattr(s, kind)})
         return out
 
-    def _attach(self, path: str, forward: Any) -> None:
+    def _attach(self, path: str, forward_for: ForwardFor | None) -> None:
         state = Attached(self.modules[path])
-        state.apply(self.slots[path], "attention", forward)
+        state.apply(self.slots[path], "attention", forward_for)
         self.states[path] = state
 
     def _detach(self, path: str) -> None:

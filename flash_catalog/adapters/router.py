@@ -363,8 +363,10 @@ class AttentionRouter:
         return self._stack(torch.compiler.is_compiling())
 
     def _stack(self, traced: bool) -> list[Frame]:
-        if traced:
-            return self._traced
+        return self._traced if traced else self._own_stack()
+
+    def _own_stack(self) -> list[Frame]:
+        """The calling thread's frames (eager code)."""
         try:
             return self._threads.frames
         except AttributeError:
@@ -390,7 +392,7 @@ class AttentionRouter:
         arguments passed on as they came (this runs at every call of a routed site), of any names."""
         if slot is None or slot.router is not self or self.mode is Mode.OFF:
             return run(module, *args, **kwargs)
-        stack = self._stack(torch.compiler.is_compiling())
+        stack = self._traced if torch.compiler.is_compiling() else self._own_stack()
         stack.append(Frame(slot))
         try:
             return run(module, *args, **kwargs)
@@ -539,6 +541,8 @@ class AttentionRouter:
                 return original(*args, **kwargs)
         if slot is not None:
             self._count(self.routed, slot.names[ordinal])
+        if choice >= 0:  # an alternative already picked: run it (`Route.serve` decides the others)
+            return route.run(route.alternatives[choice], query, key, value, mask)
         return route.serve(query, key, value, mask, choice)
 
     def rehearsal(self, original: Callable[..., torch.Tensor], sig: CallSignature, args: tuple[Any, ...],

@@ -21,9 +21,10 @@ from torch import nn
 STATE = "_flash_catalog"
 """The attribute a routed module's state lives in while attached."""
 
-Forward = Callable[[nn.Module, type, tuple[Any, ...], dict[str, Any]], Any]
-"""A routed module's forward: forward(module, host class, args, kwargs), the call's arguments as they came (one
-packing per call, not one per layer)."""
+ForwardFor = Callable[[type], Callable[..., Any]]
+"""Builds a routed class's forward for its host class: `forward_for(host)` is called once per (host, kind), and
+its result is the swapped class's `forward(module, *args, **kwargs)`. The call goes straight in, with no wrapper
+frame that packs the arguments for it."""
 
 
 def state_of(module: nn.Module) -> Any:
@@ -37,17 +38,13 @@ def host_type(module: nn.Module) -> type:
 
 
 @functools.cache
-def swapped_class(host: type, kind: str, forward: Forward | None) -> type:
-    """The subclass of `host` whose `forward` is `forward(module, host, args, kwargs)` (None: the host's own); one
-    per (host, kind), so every module of a host class shares it (`swapped_class.cache_clear()` forgets them)."""
+def swapped_class(host: type, kind: str, forward_for: ForwardFor | None) -> type:
+    """The subclass of `host` whose `forward` is `forward_for(host)` (None: the host's own); one per (host, kind), so
+    every module of a host class shares it (`swapped_class.cache_clear()` forgets them)."""
     members: dict[str, Any] = {"__module__": host.__module__, "__qualname__": host.__qualname__,
                                "__deepcopy__": host_copy, "_flash_catalog_kind": kind, "_flash_catalog_host": host}
-    if forward is not None:
-        @functools.wraps(host.forward)
-        def routed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            return forward(self, host, args, kwargs)
-
-        members["forward"] = routed_forward
+    if forward_for is not None:
+        members["forward"] = functools.wraps(host.forward)(forward_for(host))
     return type(host.__name__, (host,), members)
 
 
@@ -87,12 +84,12 @@ class Attached:
         self.host: type = type(module)
         self.applied = False
 
-    def apply(self, state: Any, kind: str | None = None, forward: Forward | None = None) -> None:
+    def apply(self, state: Any, kind: str | None = None, forward_for: ForwardFor | None = None) -> None:
         why = swap_refusal(self.module)
         if why is not None or type(self.module) is not self.host:
             raise RuntimeError(f"cannot route {type(self.module).__name__}: {why or 'its class changed'}")
         self.module.__dict__[STATE] = state
-        self.module.__class__ = swapped_class(self.host, kind or "routed", forward)
+        self.module.__class__ = swapped_class(self.host, kind or "routed", forward_for)
         self.applied = True
 
     def revert(self) -> None:

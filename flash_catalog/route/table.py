@@ -108,7 +108,7 @@ class Route:
             choice = self.pick(attn_mask)
         if choice == HOST:
             return self._laid_out(self.run_host(query, key, value, attn_mask))
-        return self._run(self.alternatives[max(choice, 0)], query, key, value, attn_mask)
+        return self.run(self.alternatives[max(choice, 0)], query, key, value, attn_mask)
 
     def serve_traced(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attn_mask: torch.Tensor | None, choice: int) -> Output:
@@ -123,9 +123,10 @@ class Route:
                  attn_mask: torch.Tensor | None) -> Output:
         return self.host(query, key, value, attn_mask=attn_mask, **dict(self.host_kwargs))
 
-    def _run(self, alt: Alternative, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             attn_mask: torch.Tensor | None) -> Output:
-        """The alternative's runner on the call in (B, H, S, D) form, its output back in the host's layout."""
+    def run(self, alt: Alternative, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            attn_mask: torch.Tensor | None) -> Output:
+        """The alternative's runner on the call in (B, H, S, D) form, its output back in the host's layout (an eager
+        call whose mask check already chose `alt` comes here directly)."""
         bound = self.key
         if bound.layout == "bshd":
             call = AttentionCall(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask,
@@ -156,7 +157,7 @@ class Route:
         branches: list[tuple[torch.Tensor, Callable[[], Output]]] = []
         for alt, ok in zip(self.alternatives, oks):
             if ok is not None:
-                branches.append((pending & ok, lambda alt=alt: self._run(alt, query, key, value, attn_mask)))
+                branches.append((pending & ok, lambda alt=alt: self.run(alt, query, key, value, attn_mask)))
                 pending = pending & ~ok
         branches.append((pending, lambda: self._laid_out(self.run_host(query, key, value, attn_mask))))
         for take, produce in branches:
