@@ -178,9 +178,9 @@ class Job:
         ffn_forms = [build_form(s, context=context) for s in ffn_specs]
         adapter = pick_adapter(host)
         modules = _filter_sites(adapter.find_sites(host), options.sites)
-        ffn_sites = find_ffn_sites(host) if ffn_specs else {}
-        ffn_modules = _filter_sites({**ffn_sites, **find_projection_sites(host, list(options.projections), ffn_sites)},
-                                    options.sites) if ffn_specs else {}
+        ffn_sites = _filter_sites(find_ffn_sites(host), options.sites) if ffn_specs else {}
+        ffn_modules = {**ffn_sites, **_filter_sites(find_projection_sites(host, list(options.projections), ffn_sites),
+                                                    options.sites)} if ffn_specs else {}
         if options.sites is not None and not modules and not ffn_modules:
             raise ValueError(f"sites={list(options.sites)!r} matches no site; attention sites are: "
                              f"{_some(adapter.find_sites(host))}; feed-forward sites: {_some(find_ffn_sites(host))}")

@@ -171,6 +171,11 @@ def test_a_projection_glob_leaves_the_linears_inside_a_feed_forward_site_to_it()
     assert ffn and inside and "transformer_blocks.0.attn1.to_q" in names
     assert names == ffn | (linears - inside), sorted(names ^ (ffn | (linears - inside)))
     detach(plan)
+    # a FeedForward that `sites=` leaves out claims nothing: a linear inside it can be a site of its own
+    plan = attach(host.model, host.inputs(), profile="int8_linears", attention_forms=[], min_speedup=0,
+                  sites=["transformer_blocks.0.ff.net.2"])
+    assert [s.name for s in plan.sites] == ["transformer_blocks.0.ff.net.2"]
+    detach(plan)
 
 
 def test_the_projection_profile_names_its_patterns():
