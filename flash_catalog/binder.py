@@ -172,10 +172,6 @@ class Job:
                            agreement)
         run_example = _example_runner(model, example)
         here = environment(_model_device(host), [*specs, *ffn_specs])
-        staging = StagingPool()  # scratch shared by every site of this attach; detach releases it
-        context = FormContext(staging, agreement, options.allow_emulation)
-        forms = [build_form(s, context=context, trust_remote_code=options.trust_remote_code) for s in specs]
-        ffn_forms = [build_form(s, context=context) for s in ffn_specs]
         adapter = pick_adapter(host)
         modules = _filter_sites(adapter.find_sites(host), options.sites)
         ffn_sites = _filter_sites(find_ffn_sites(host), options.sites) if ffn_specs else {}
@@ -185,10 +181,15 @@ class Job:
             raise ValueError(f"sites={list(options.sites)!r} matches no site; attention sites are: "
                              f"{_some(adapter.find_sites(host))}; feed-forward sites: {_some(find_ffn_sites(host))}")
         _refuse_attached(host)
-        return cls(host, example, run_example, specs, ffn_specs, forms, ffn_forms, gate, agreement, here,
-                   SavedDecisions.of(saved_plan, here, None if adapter.discovered else {*modules, *ffn_modules})
-                   if saved_plan is not None else None, staging, adapter,
-                   modules, ffn_modules, options)
+        saved = (SavedDecisions.of(saved_plan, here, None if adapter.discovered else {*modules, *ffn_modules})
+                 if saved_plan is not None else None)
+        staging = StagingPool()  # scratch shared by every site of this attach; detach releases it
+        context = FormContext(staging, agreement, options.allow_emulation,
+                              saved.variants() if saved is not None else {})
+        forms = [build_form(s, context=context, trust_remote_code=options.trust_remote_code) for s in specs]
+        ffn_forms = [build_form(s, context=context) for s in ffn_specs]
+        return cls(host, example, run_example, specs, ffn_specs, forms, ffn_forms, gate, agreement, here, saved,
+                   staging, adapter, modules, ffn_modules, options)
 
     def calibration(self) -> Calibration:
         """The decisions of this attach, taken as the calibration call meets each (site, shape)."""

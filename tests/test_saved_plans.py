@@ -131,6 +131,50 @@ def test_reattaching_from_a_receipt_reuses_every_decision_and_times_nothing(tmp_
     detach(again)
 
 
+def test_a_reused_receipt_builds_the_backend_its_attach_chose_without_timing_the_backends(tmp_path, monkeypatch):
+    """`sdpa_dense` picks its SDPA backend by timing them. The receipt records the choice (`variant`), and a
+    re-attach builds that backend again instead of timing anew: on a noisy CPU the timing can flip between flash
+    and math, and the re-attached model would then compute other bits than the one the receipt came from."""
+    from flash_catalog.forms.base import AttentionForm
+
+    host = build("wan")
+    inputs = host.inputs()
+    timed: list[str] = []
+    real = AttentionForm.variant_seconds
+    favour = {"math": 1e-9}  # the backend this test's timing makes fastest
+
+    def rigged(self, run, device, samples=5):
+        backend = run.args[0].name.lower()
+        timed.append(backend)
+        return favour.get(backend, real(self, run, device, samples) + 1.0)
+
+    monkeypatch.setattr(AttentionForm, "variant_seconds", rigged)
+    path, first = saved_receipt(tmp_path, host, attention_forms=["sdpa_dense"])
+    assert timed and {s.variant for s in shapes(first)} == {"math"}
+    assert json.loads(path.read_text())["sites"][0]["shapes"][0]["variant"] == "math"
+    again = attach(host.model, inputs, min_speedup=0, plan=path, attention_forms=["sdpa_dense"])
+    try:
+        first_out = run(host.model, inputs)
+    finally:
+        detach(again)
+
+    timed.clear()
+    favour = {"flash_attention": 1e-9}  # a fresh attach would now choose flash
+    plan = attach(host.model, inputs, min_speedup=0, plan=path, attention_forms=["sdpa_dense"])
+    try:
+        assert timed == []  # no backend timed: the receipt's is built
+        assert {s.variant for s in shapes(plan)} == {"math"}
+        assert all("backend math" in s.reason for s in shapes(plan))
+        assert torch.equal(run(host.model, inputs), first_out)
+    finally:
+        detach(plan)
+    fresh = attach(host.model, inputs, min_speedup=0, attention_forms=["sdpa_dense"])
+    try:
+        assert timed and {s.variant for s in shapes(fresh)} == {"flash_attention"}
+    finally:
+        detach(fresh)
+
+
 def test_a_form_the_receipt_timed_not_faster_is_not_run_again(tmp_path, timing_runs):
     host = build("flux")
     inputs = host.inputs()

@@ -69,7 +69,7 @@ def attention_contender(form: AttentionForm, site: str, call: AttentionCall,
     def build() -> Built:
         runner = form.runner(call)
         routed = None if rehearse is None else functools.partial(rehearse, runner)
-        return Built(lambda: call.to_host_layout(runner(call)), runner, runner.detail, routed)
+        return Built(lambda: call.to_host_layout(runner(call)), runner, runner.detail, routed, runner.variant)
 
     return Contender(spec, rule, build, (spec.name, call.shape_key() if spec.latency.per_shape else site))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -47,6 +48,12 @@ class StaticKey(NamedTuple):
                   (q.stride(), k.stride(), v.stride()),
                   None if traced else alignment(q, k, v))
         return cls(*fields) if traced else tuple.__new__(cls, fields)  # eager: `_make` without its frames
+
+
+def key_index(fields: dict[str, Any] | None) -> str:
+    """A shape key's fields (`ShapeKey.fields`, `ShapeRecord.key`) as text: equal for a live key and the same key
+    read back from JSON (tuples become lists)."""
+    return json.dumps(fields, sort_keys=True)
 
 
 def alignment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[bool, bool, bool]:

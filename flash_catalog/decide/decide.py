@@ -112,14 +112,15 @@ class Trial:
 @dataclass(frozen=True)
 class Built:
     """What a form built for a trial: `run` computes the trial's output in the host's layout; `product` is what
-    binds (an attention runner, a feed-forward module); `detail` says what was chosen. `routed(layout)`, where
-    given, is the call as the model will make it once bound (guard, mask check, routing included): the speed
-    gate times that, not `run` alone."""
+    binds (an attention runner, a feed-forward module); `detail` says what was chosen, `variant` which of the
+    form's own variants (`Runner.variant`). `routed(layout)`, where given, is the call as the model will make it
+    once bound (guard, mask check, routing included): the speed gate times that, not `run` alone."""
 
     run: Callable[[], torch.Tensor]
     product: Any
     detail: str = ""
     routed: Callable[[tuple[int, ...]], Callable[[], Any]] | None = None
+    variant: str | None = None
 
 
 @dataclass(frozen=True)
@@ -214,6 +215,7 @@ def _decide(trial: Trial, contenders: Sequence[Contender], options: GateOptions,
                 if other is not best:
                     record.trail.append(receipts.slower(other.contender.name, other.speed, best.contender.name))
             _fill(record, "bound", best)
+            record.variant = best.built.variant if best.built is not None else None
             record.reason = receipts.bound(best.contender.name, best.speed,
                                            options.speedup_needed(best.contender.spec), best.accuracy,
                                            best.built.detail)

@@ -5,12 +5,12 @@ paired timing runs, so re-attaching costs the calibration call and the accuracy 
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..capture.calls import key_index
 from .decide import Contender, TimingCache
 from ..plan.environment import environment_difference
 from .gate import Timing
@@ -76,16 +76,25 @@ class SavedDecisions:
         if difference is not None:
             log.warning("%s cannot serve this attach (%s): every shape is re-decided", source,
                         difference)
-        shapes = {(site.name, _index(shape.key)): shape for site in plan.sites for shape in site.shapes
+        shapes = {(site.name, key_index(shape.key)): shape for site in plan.sites for shape in site.shapes
                   if shape.key is not None}
         return cls(ReceiptUse(source, difference is None, difference or ""), shapes,
                    dict(plan.environment.get("specs") or {}), dict(here.get("specs") or {}))
+
+    def variants(self) -> dict[tuple[str, str], str]:
+        """The variant each bound form chose, by (form, shape key index), where this receipt serves this attach and
+        the form's spec is unchanged: forms build that variant again instead of timing theirs (`FormContext`)."""
+        if not self.use.matched:
+            return {}
+        return {(shape.form, index): shape.variant for (_, index), shape in self.shapes.items()
+                if shape.outcome == "bound" and shape.form is not None and shape.variant is not None
+                and self.saved_specs.get(shape.form) == self.specs.get(shape.form)}
 
     def offer(self, site: str, key: dict[str, Any] | None, contenders: Sequence[Contender]) -> Offer:
         source = self.use.source
         if not self.use.matched:
             return Offer(source, False, self.use.reason)
-        saved = self.shapes.get((site, _index(key))) if key is not None else None
+        saved = self.shapes.get((site, key_index(key))) if key is not None else None
         if saved is None:
             return Offer(source, False, f"{source} has no decision for this site at this shape")
         seeds, missing = [], []
@@ -129,6 +138,3 @@ def _first(where: str) -> str:
     return f"{where or 'timed at this site'}, before the receipt's timing was offered"
 
 
-def _index(key: dict[str, Any] | None) -> str:
-    """A shape key as text: equal for a live key and the same key read back from JSON (tuples become lists)."""
-    return json.dumps(key, sort_keys=True)

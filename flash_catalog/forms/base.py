@@ -27,6 +27,7 @@ class AttentionForm:
         self.staging: StagingPool | None = context.staging
         self.agreement: Agreement = context.agreement
         self.allow_emulation = context.allow_emulation
+        self.context = context
         self._runners: dict[ShapeKey, Runner] = {}
 
     def variant_seconds(self, run: Callable[[], object], device: torch.device, samples: int = 5) -> float:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from typing import Any, Callable
 
 import torch
 from torch.nn.attention import SDPBackend
@@ -127,6 +128,20 @@ class SdpaDense(AttentionForm):
         drop = call.mask_kind == ALL_PASS
         run_fn = run_sdpa_lse if call.return_lse else run_sdpa
         candidates = (LSE_CANDIDATES if call.return_lse else CANDIDATES).get(call.query.device.type, ())
+        saved = self.context.saved_variant(self.name, call.shape_key())
+        best = next((b for b in candidates if b.name.lower() == saved), None)  # the receipt's backend, untimed
+        if best is None:
+            best = self._fastest(candidates, run_fn, drop, call)
+        # where SDPA itself would pick the fastest backend, the call need not pin it (about 2 us a call on a CPU)
+        unpinned = not call.return_lse and own_choice(drop, call) == best.value
+        detail = (f"backend {best.name.lower()}" + (" (SDPA's own choice)" if unpinned else "")
+                  + (", log-sum-exp" if call.return_lse else "") + (", mask dropped" if drop else ""))
+        return Runner(functools.partial(run_sdpa_own_choice if unpinned else run_fn, best, drop), detail,
+                      variant=best.name.lower())
+
+    def _fastest(self, candidates: tuple[SDPBackend, ...], run_fn: Callable[..., Any], drop: bool,
+                 call: AttentionCall) -> SDPBackend:
+        """The backend of `candidates` that serves the call fastest here (timed, agreed over the ranks)."""
         timings: dict[SDPBackend, float] = {}
         for backend in candidates:
             run = functools.partial(run_fn, backend, drop, call)
@@ -136,9 +151,4 @@ class SdpaDense(AttentionForm):
         timings = {b: s for b, s in timings.items() if s != float("inf")}
         if not timings:
             raise RuntimeError(f"{self.name}: no SDPA backend serves this shape")
-        best = min(timings, key=timings.__getitem__)
-        # where SDPA itself would pick the fastest backend, the call need not pin it (about 2 us a call on a CPU)
-        unpinned = not call.return_lse and own_choice(drop, call) == best.value
-        detail = (f"backend {best.name.lower()}" + (" (SDPA's own choice)" if unpinned else "")
-                  + (", log-sum-exp" if call.return_lse else "") + (", mask dropped" if drop else ""))
-        return Runner(functools.partial(run_sdpa_own_choice if unpinned else run_fn, best, drop), detail)
+        return min(timings, key=timings.__getitem__)

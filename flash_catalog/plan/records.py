@@ -49,6 +49,8 @@ class ShapeRecord:
     timings: dict[str, Timing] = field(default_factory=dict)  # per form: the timing its verdict came from
     basis: Basis = Basis.DECIDED
     basis_reason: str = ""  # a receipt was given: what was reused from it, or why it did not serve
+    variant: str | None = None  # bound: the form's own variant it chose (`Runner.variant`), which a later attach
+    # from this receipt builds again instead of timing the variants anew
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "basis": self.basis.value}

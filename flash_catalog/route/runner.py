@@ -14,13 +14,16 @@ class Runner:
     """Computes attention for a call: (B, H, Sq, Dv) in the query's dtype, caller's tensors untouched; for a call
     with `return_lse`, (output, log-sum-exp (B, H, Sq) in float32).
 
-    `detail` says what was chosen for this shape (a backend, a block size), for the plan. `staging` lists the
+    `detail` says what was chosen for this shape (a backend, a block size), for the plan. `variant` names which of
+    the form's own variants this is, where it chose among several by timing them (`sdpa_dense`: its SDPA
+    backend): a receipt records it, and attaching from that receipt builds the same one. `staging` lists the
     buffers each call draws from the form's staging pool; the binder holds exactly those of bound runners.
     """
 
     fn: Callable[[AttentionCall], Output]
     detail: str = ""
     staging: tuple[StagingKey, ...] = ()
+    variant: str | None = None
 
     def __call__(self, call: AttentionCall) -> Output:
         return self.fn(call)
