@@ -175,6 +175,46 @@ def test_a_reused_receipt_builds_the_backend_its_attach_chose_without_timing_the
         detach(fresh)
 
 
+def test_a_reused_receipt_builds_the_flex_block_size_its_attach_chose(tmp_path, monkeypatch):
+    """`flex_blocksparse` picks its block size by timing each; a re-attach from the receipt builds the recorded one
+    without timing (two block sizes offered on the CPU here, the timing rigged one way, then the other)."""
+    import itertools
+
+    from flash_catalog.forms import flex_blocksparse
+    from flash_catalog.forms.base import AttentionForm
+
+    monkeypatch.setitem(flex_blocksparse.BLOCK_SIZES, "cpu", (128, 64))
+    blocks = itertools.cycle((128, 64))  # each build times the block sizes in this order
+    timed: list[int] = []
+    fastest = [64]
+
+    def rigged(self, run, device, samples=5):
+        timed.append(next(blocks))
+        return 1e-9 if timed[-1] == fastest[0] else 1.0
+
+    monkeypatch.setattr(AttentionForm, "variant_seconds", rigged)
+    host = build("ltx")
+    inputs = host.inputs()
+    mask = inputs["encoder_attention_mask"].clone()
+    mask[:, 10:] = False
+    padded = dict(inputs, encoder_attention_mask=mask)
+    forms = ["flex_blocksparse"]
+    first = attach(host.model, padded, min_speedup=0, timing_rounds=3, attention_forms=forms)
+    detach(first)
+    path = first.save(tmp_path / "receipt.json")
+    cross = first.site("transformer_blocks.0.attn2#0").shapes[0]
+    assert cross.form == "flex_blocksparse" and cross.variant == "block 64" and "block 64" in cross.reason
+    assert timed
+    timed.clear()
+    fastest[0] = 128  # a fresh attach would now choose 128
+    plan = attach(host.model, padded, min_speedup=0, plan=path, attention_forms=forms)
+    try:
+        again = plan.site("transformer_blocks.0.attn2#0").shapes[0]
+        assert again.variant == "block 64" and "block 64" in again.reason and timed == []
+    finally:
+        detach(plan)
+
+
 def test_a_form_the_receipt_timed_not_faster_is_not_run_again(tmp_path, timing_runs):
     host = build("flux")
     inputs = host.inputs()

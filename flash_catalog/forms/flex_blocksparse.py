@@ -64,6 +64,11 @@ def _run(fn, block_mask, kernel_options, dispatch: tuple, call: AttentionCall
                   call.return_lse)
 
 
+def _variant(block: int) -> str:
+    """A block size as `Runner.variant` names it (a receipt records it)."""
+    return f"block {block}"
+
+
 def _dispatch_state() -> tuple:
     return torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set()
 
@@ -82,19 +87,24 @@ class FlexBlocksparse(AttentionForm):
         device = call.query.device
         fn = compiled_flex() if device.type == "cuda" else _flex
         sq, skv = call.query.shape[2], call.key.shape[2]
+        blocks = BLOCK_SIZES.get(device.type, (128,))
+        saved = [b for b in blocks if _variant(b) == self.context.saved_variant(self.name, call.shape_key())]
         timings: dict[int, tuple[float, Runner]] = {}
-        for block in BLOCK_SIZES.get(device.type, (128,)):
+        for block in saved or blocks:  # the receipt's block size, untimed, or each one timed
             options = None if block == 128 else {"BLOCK_M": block, "BLOCK_N": block}
             block_mask = build_block_mask(call.mask, sq, skv, device, block)
             run = functools.partial(_run, fn, block_mask, options, _dispatch_state())
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                seconds = self.variant_seconds(lambda: run(call), device, samples=3)  # inf: does not compile
+            seconds = 0.0
+            if not saved:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    seconds = self.variant_seconds(lambda: run(call), device, samples=3)  # inf: does not compile
             if seconds == float("inf"):
                 continue
             density = float(block_mask.kv_num_blocks.sum() + block_mask.full_kv_num_blocks.sum())
             density /= block_mask.kv_num_blocks.shape[-1] * -(-skv // block) * block_mask.kv_num_blocks.shape[0]
-            timings[block] = (seconds, Runner(run, f"block {block}, {density:.1%} of blocks visited"))
+            timings[block] = (seconds, Runner(run, f"block {block}, {density:.1%} of blocks visited",
+                                              variant=_variant(block)))
         if not timings:
             raise RuntimeError(f"{self.name}: no block size serves this shape")
         return min(timings.values(), key=lambda t: t[0])[1]

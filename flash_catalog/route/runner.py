@@ -16,8 +16,9 @@ class Runner:
 
     `detail` says what was chosen for this shape (a backend, a block size), for the plan. `variant` names which of
     the form's own variants this is, where it chose among several by timing them (`sdpa_dense`: its SDPA
-    backend): a receipt records it, and attaching from that receipt builds the same one. `staging` lists the
-    buffers each call draws from the form's staging pool; the binder holds exactly those of bound runners.
+    backend, `flex_blocksparse`: its block size): a receipt records it, and attaching from that receipt builds
+    the same one. `staging` lists the buffers each call draws from the form's staging pool; the binder holds
+    exactly those of bound runners.
     """
 
     fn: Callable[[AttentionCall], Output]
