@@ -1,6 +1,7 @@
-"""tools/bench_model.py and tools/bench_drift.py at their tiny sizes on the CPU: the image hosts' rows, the torchao
-peer recorded as skipped with its reason where it cannot run (no CUDA here, torchao a benchmark-only extra), and the
-drift check's cosine and PSNR fields. Eager rows only: a compiled row on the CPU costs a minute of inductor."""
+"""tools/bench_model.py, tools/bench_drift.py and tools/bench_tirex2.py at their tiny sizes on the CPU: the image
+hosts' rows, the torchao peer recorded as skipped with its reason where it cannot run (no CUDA here, torchao a
+benchmark-only extra), the drift check's cosine and PSNR fields, TiRex-2's host timed again after detach. Eager rows
+only: a compiled row on the CPU costs a minute of inductor."""
 
 import json
 import math
@@ -124,3 +125,23 @@ def test_psnr():
     assert bench_drift.psnr(ref, ref) is None
     # range 3, MSE 0.01: 10 log10(9 / 0.01)
     assert bench_drift.psnr((ref[0] + 0.1,), ref) == pytest.approx(10 * math.log10(900))
+
+
+def test_bench_tirex2_tiny_times_the_host_again_at_every_scope(tmp_path, monkeypatch, capsys):
+    """tools/bench_tirex2.py at its tiny size with the model's linears as sites (`--profile int8_linears`, binds
+    forced): the host is timed again after detach at each scope, and the table sets the attached time against it."""
+    pytest.importorskip("tirex2")
+    import bench_tirex2
+
+    monkeypatch.setattr(bench_tirex2, "START", time.monotonic())
+    out = tmp_path / "tirex2.json"
+    assert bench_tirex2.main(["--tiny", "--device", "cpu", "--windows", "2", "--dtypes", "float32", "--reps", "2",
+                              "--warmup", "1", "--variants", "dense,attach", "--profile", "int8_linears",
+                              "--min-speedup", "0", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    again = {r["scope"]: r for r in data["records"] if r["variant"] == "detached"}
+    assert set(again) == {"attn", "block", "model"} and all(finite(r["ms"]) for r in again.values())
+    case = data["cases"][0]
+    assert case["detach_exact"] and "int8_rowwise" in case["plan"]["speedups"]
+    assert any(k.startswith("bound:int8_rowwise") for k in case["plan"]["outcomes"])
+    assert "again = the dense host timed after detach" in capsys.readouterr().out
