@@ -1,4 +1,4 @@
-"""The eager guard of a bound route (`Route.admits`: the call's `call_guard` against the route's key, fed by
+"""The eager guard of a bound route (the call's `call_guard` against the route's key, fed by
 `CallSignature.plain`): it admits a call exactly when the call's static key is the route's, and leaves every call it
 cannot read plainly to the lookup by key."""
 
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from flash_catalog.adapters.router import DISPATCH_SIGNATURE, LOCAL_SIGNATURE, SDPA_SIGNATURE, _lookup
 from flash_catalog.capture.calls import StaticKey
-from flash_catalog.route.table import Route
+from flash_catalog.route.table import Route, call_guard
 
 
 def _tensors():
@@ -49,7 +49,7 @@ def test_the_guard_admits_exactly_the_calls_whose_key_is_the_routes(variant):
     qb, kb, vb, maskb = _tensors()
     route = _route(StaticKey.of("bhsd", qb, kb, vb, maskb, False, None, False, False, traced=False))
     key = StaticKey.of(layout, q, k, v, mask, *statics, traced=False)
-    assert route.admits(layout, q, k, v, mask, statics) == (key == route.key) == (name == "same")
+    assert (call_guard(layout, q, k, v, mask, statics) == route.key) == (key == route.key) == (name == "same")
 
 
 def test_plain_reads_the_common_forms_and_leaves_the_rest_to_binding():

@@ -24,11 +24,20 @@ class AttentionForm:
 
     def __init__(self, spec: Spec, context: FormContext = NO_CONTEXT) -> None:
         self.spec = spec
-        self.staging: StagingPool | None = context.staging
-        self.agreement: Agreement = context.agreement
-        self.allow_emulation = context.allow_emulation
         self.context = context
         self._runners: dict[ShapeKey, Runner] = {}
+
+    @property
+    def staging(self) -> StagingPool | None:
+        return self.context.staging
+
+    @property
+    def agreement(self) -> Agreement:
+        return self.context.agreement
+
+    @property
+    def allow_emulation(self) -> bool:
+        return self.context.allow_emulation
 
     def variant_seconds(self, run: Callable[[], object], device: torch.device, samples: int = 5) -> float:
         """Seconds per call of one of the form's variants (inf where it fails), agreed over the ranks."""

@@ -88,7 +88,8 @@ class FlexBlocksparse(AttentionForm):
         fn = compiled_flex() if device.type == "cuda" else _flex
         sq, skv = call.query.shape[2], call.key.shape[2]
         blocks = BLOCK_SIZES.get(device.type, (128,))
-        saved = [b for b in blocks if _variant(b) == self.context.saved_variant(self.name, call.shape_key())]
+        wanted = self.context.saved_variant(self.name, call.shape_key())
+        saved = [b for b in blocks if _variant(b) == wanted]
         timings: dict[int, tuple[float, Runner]] = {}
         for block in saved or blocks:  # the receipt's block size, untimed, or each one timed
             options = None if block == 128 else {"BLOCK_M": block, "BLOCK_N": block}

@@ -68,11 +68,6 @@ class Route:
         self.out_shape = (*self.key.q[:-1], self.key.v[-1])
         self.out_strides = dense_strides(self.out_shape, self.out_order)
 
-    def admits(self, layout: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               attn_mask: torch.Tensor | None, statics: tuple[bool, float | None, bool, bool]) -> bool:
-        """Whether an eager call's metadata is the route's key (`call_guard`)."""
-        return call_guard(layout, query, key, value, attn_mask, statics) == self.key
-
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attn_mask: torch.Tensor | None, choice: int) -> Output:
         """The bound call, as traced code sees it: one opaque op."""
@@ -128,14 +123,13 @@ class Route:
         """The alternative's runner on the call in (B, H, S, D) form, its output back in the host's layout (an eager
         call whose mask check already chose `alt` comes here directly)."""
         bound = self.key
-        if bound.layout == "bshd":
-            call = AttentionCall(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask,
-                                 bound.is_causal, bound.scale, bound.enable_gqa, 0.0, "bshd", alt.mask, (),
-                                 bound.return_lse)
-            return self._laid_out(call.to_host_layout(alt.runner.fn(call)))
+        bshd = bound.layout == "bshd"
+        if bshd:
+            query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
         call = AttentionCall(query, key, value, attn_mask, bound.is_causal, bound.scale, bound.enable_gqa, 0.0,
-                             "bhsd", alt.mask, (), bound.return_lse)
-        return self._laid_out(alt.runner.fn(call))
+                             bound.layout, alt.mask, (), bound.return_lse)
+        out = alt.runner.fn(call)
+        return self._laid_out(call.to_host_layout(out) if bshd else out)
 
     def _laid_out(self, out: Output) -> Output:
         """`out` with exactly the strides `empty_output` promises (a copy only where the layout differs)."""
