@@ -425,3 +425,47 @@ def test_mask_match_kernel_agrees_with_the_torch_check(case):
         assert bool(mask_matches(mask, check.expected, blocked)) == bool(check.passes(mask)), (case, mask is seen)
     assert bool(check.passes(seen))
     assert bool(check.passes(other)) == (case in ("additive_pure", "all_pass"))  # still blocked / unchanged
+
+
+def test_a_verified_mask_is_read_again_whenever_it_may_have_changed(monkeypatch):
+    """`MaskCheck.verdict` skips the read only for a mask it verified that is provably unchanged: the same tensor
+    object (or a view of the same base, same geometry) at the same version and data pointer. A write, an in-place
+    change of geometry, `.data` or `set_` swapping its memory all make it read the mask again."""
+    from flash_catalog.capture.mask_check import MaskCheck
+    from flash_catalog.capture.masks import describe_mask
+
+    reads = [0]
+    passes = MaskCheck.passes
+
+    def counted(self, mask):
+        reads[0] += 1
+        return passes(self, mask)
+
+    monkeypatch.setattr(MaskCheck, "passes", counted)
+    gid = torch.arange(32) // 8
+    mask = (gid[:, None] == gid[None, :]).unsqueeze(0)
+    check = MaskCheck.of(mask, describe_mask(mask))
+    other = mask.clone()
+    other[0, 3, 20] = True
+
+    def verdict(m):
+        before = reads[0]
+        ok = check.verdict(m)
+        return ok, reads[0] - before
+
+    assert verdict(mask) == (True, 1)
+    assert verdict(mask) == (True, 0)  # the same object, unwritten
+    assert verdict(mask.view(1, 32, 32)) == (True, 0)  # another view of the same base, same geometry
+    mask.data = other.clone()  # new memory behind the same object: no version bump, another data pointer
+    assert verdict(mask) == (False, 1)
+    mask.data = (gid[:, None] == gid[None, :]).unsqueeze(0)
+    assert verdict(mask) == (True, 1)
+    mask.set_(other.clone())  # in place, same shape, another structure
+    assert verdict(mask) == (False, 1)
+    mask.set_((gid[:, None] == gid[None, :]).unsqueeze(0))
+    assert verdict(mask) == (True, 1)
+    mask.transpose_(1, 2)  # in-place geometry change (symmetric here: still passes, but read again)
+    assert verdict(mask) == (True, 1)
+    mask[0, 3, 20] = True
+    assert verdict(mask) == (False, 1)
+    assert verdict(mask) == (False, 1)  # a failed check is never remembered

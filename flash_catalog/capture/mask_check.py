@@ -9,7 +9,9 @@ must equal the one seen at calibration, and an additive mask may hold only 0 and
 
 In eager, `verdict` reads the check on the host (one sync); a mask it has verified is not read again while it is
 the same memory unwritten: the same base tensor (held weakly), view geometry and dtype, and the same version
-(every in-place write, through any view, bumps it). Hosts that pass one mask to every layer pay one read.
+(every in-place write, through any view, bumps it). Hosts that pass one mask to every layer pay one read; where
+they pass the very tensor object verified, unwritten (its version and data pointer as they were: an in-place write
+or an in-place change of its geometry bumps the version), the check is three reads of its metadata.
 """
 
 from __future__ import annotations
@@ -46,12 +48,23 @@ def _compact(pattern: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True, eq=False)
+class Verified:
+    """The mask a check last passed, held weakly: the tensor object and its base, with its view geometry (data
+    pointer first, `_identity`) and version as they were."""
+
+    tensor: weakref.ref[torch.Tensor]
+    base: weakref.ref[torch.Tensor]
+    geometry: tuple[Any, ...]
+    version: int
+
+
+@dataclass(frozen=True, eq=False)
 class MaskCheck:
     """What a routed mask must look like: the structure `info` and its allowed pattern (None for all-pass)."""
 
     info: MaskInfo
     expected: torch.Tensor | None
-    _verified: list[Any] = field(default_factory=list, repr=False)  # [(weakref to the base, geometry, version)]
+    _verified: list[Verified] = field(default_factory=list, repr=False)  # the mask last verified, if any
 
     @classmethod
     def of(cls, mask: torch.Tensor, info: MaskInfo) -> MaskCheck:
@@ -73,14 +86,19 @@ class MaskCheck:
     def verdict(self, mask: torch.Tensor, remember: bool = True) -> bool:
         """`passes`, read on the host (eager only); with `remember`, skipped for the mask last verified while it
         is unwritten (`_identity`)."""
+        if remember and self._verified:
+            last = self._verified[0]
+            if last.tensor() is mask and mask._version == last.version and mask.data_ptr() == last.geometry[0]:
+                return True  # the very tensor verified, unwritten: no identity to build
         identity = _identity(mask) if remember else None
         if identity is not None and self._verified:
-            base, geometry, version = self._verified[0]
-            if base() is identity[0] and (geometry, version) == identity[1:]:
+            last = self._verified[0]
+            if last.base() is identity[0] and (last.geometry, last.version) == identity[1:]:
                 return True
         ok = bool(self.passes(mask))
         if identity is not None:
-            self._verified[:] = [(weakref.ref(identity[0]), *identity[1:])] if ok else []
+            base, geometry, version = identity
+            self._verified[:] = [Verified(weakref.ref(mask), weakref.ref(base), geometry, version)] if ok else []
         return ok
 
     def nbytes(self) -> int:
@@ -88,12 +106,13 @@ class MaskCheck:
 
 
 def _identity(mask: torch.Tensor) -> tuple[torch.Tensor, tuple, int] | None:
-    """(base tensor, view geometry and dtype, version) of an eager mask, or None where it has no version counter
-    (an inference-mode tensor) and so cannot be recognised as unwritten."""
+    """(base tensor, view geometry (data pointer, shape, strides, dtype, device), version) of an eager mask, or None
+    where it has no version counter (an inference-mode tensor) and so cannot be recognised as unwritten. The data
+    pointer, not the storage offset: `mask.data = other` swaps the memory without bumping the version."""
     if mask.is_inference():
         return None
     base = _base(mask)
-    geometry = (mask.storage_offset(), tuple(mask.shape), mask.stride(), mask.dtype, mask.device)
+    geometry = (mask.data_ptr(), tuple(mask.shape), mask.stride(), mask.dtype, mask.device)
     return base, geometry, mask._version
 
 

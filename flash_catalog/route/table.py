@@ -173,7 +173,7 @@ def call_guard(layout: str, query: torch.Tensor, key: torch.Tensor, value: torch
 
 def capturing(t: torch.Tensor) -> bool:
     """A CUDA graph is being captured on the current stream of t's device."""
-    return t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()  # is_cuda: no device object per eager call
 
 
 def _pairs(out: Output, result: Output) -> list[tuple[torch.Tensor, torch.Tensor]]:
