@@ -34,3 +34,19 @@ def _sdpa_left_untouched():
     if F.scaled_dot_product_attention is not original:
         F.scaled_dot_product_attention = original
         pytest.fail("a test left torch SDPA patched: a plan was not detached")
+
+
+@pytest.fixture
+def mask_reads(monkeypatch):
+    """How many times a mask check has read a mask's content (`MaskCheck.passes`), as a one-item list."""
+    from flash_catalog.capture.mask_check import MaskCheck
+
+    reads = [0]
+    passes = MaskCheck.passes
+
+    def counted(self, mask):
+        reads[0] += 1
+        return passes(self, mask)
+
+    monkeypatch.setattr(MaskCheck, "passes", counted)
+    return reads

@@ -427,21 +427,14 @@ def test_mask_match_kernel_agrees_with_the_torch_check(case):
     assert bool(check.passes(other)) == (case in ("additive_pure", "all_pass"))  # still blocked / unchanged
 
 
-def test_a_verified_mask_is_read_again_whenever_it_may_have_changed(monkeypatch):
+def test_a_verified_mask_is_read_again_whenever_it_may_have_changed(mask_reads):
     """`MaskCheck.verdict` skips the read only for a mask it verified that is provably unchanged: the same tensor
     object (or a view of the same base, same geometry) at the same version and data pointer. A write, an in-place
     change of geometry, `.data` or `set_` swapping its memory all make it read the mask again."""
     from flash_catalog.capture.mask_check import MaskCheck
     from flash_catalog.capture.masks import describe_mask
 
-    reads = [0]
-    passes = MaskCheck.passes
-
-    def counted(self, mask):
-        reads[0] += 1
-        return passes(self, mask)
-
-    monkeypatch.setattr(MaskCheck, "passes", counted)
+    reads = mask_reads
     gid = torch.arange(32) // 8
     mask = (gid[:, None] == gid[None, :]).unsqueeze(0)
     check = MaskCheck.of(mask, describe_mask(mask))
