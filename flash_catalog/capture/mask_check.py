@@ -57,6 +57,15 @@ class Verified:
     geometry: tuple[Any, ...]
     version: int
 
+    def is_object(self, mask: torch.Tensor) -> bool:
+        """`mask` is the very tensor verified, unwritten: three reads, no identity built."""
+        return self.tensor() is mask and mask._version == self.version and mask.data_ptr() == self.geometry[0]
+
+    def is_view(self, identity: tuple[torch.Tensor, tuple, int]) -> bool:
+        """`identity` (`_identity`) is a view of the same base, with the same geometry, unwritten."""
+        base, geometry, version = identity
+        return self.base() is base and geometry == self.geometry and version == self.version
+
 
 @dataclass(frozen=True, eq=False)
 class MaskCheck:
@@ -86,15 +95,12 @@ class MaskCheck:
     def verdict(self, mask: torch.Tensor, remember: bool = True) -> bool:
         """`passes`, read on the host (eager only); with `remember`, skipped for the mask last verified while it
         is unwritten (`_identity`)."""
-        if remember and self._verified:
-            last = self._verified[0]
-            if last.tensor() is mask and mask._version == last.version and mask.data_ptr() == last.geometry[0]:
-                return True  # the very tensor verified, unwritten: no identity to build
+        last = self._verified[0] if remember and self._verified else None
+        if last is not None and last.is_object(mask):
+            return True
         identity = _identity(mask) if remember else None
-        if identity is not None and self._verified:
-            last = self._verified[0]
-            if last.base() is identity[0] and (last.geometry, last.version) == identity[1:]:
-                return True
+        if last is not None and identity is not None and last.is_view(identity):
+            return True
         ok = bool(self.passes(mask))
         if identity is not None:
             base, geometry, version = identity
