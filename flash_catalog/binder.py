@@ -19,6 +19,7 @@ from .adapters.ffn import find_ffn_sites, find_projection_sites
 from .adapters.install import Installation
 from .adapters.pipelines import denoisers
 from .adapters.swap import state_of
+from .capture.blocks import Blocks, find_blocks
 from .capture.calibration import Calibration, Progress
 from .capture.mask_check import MaskReuse
 from .capture.stance import CalibrationStance
@@ -88,7 +89,7 @@ def attach(model: nn.Module | Any, example: Example, options: AttachOptions | No
     with _Transaction(attachment, calibration) as step:
         step(HOST_STEP, check.time_host if check else None)
         step("installing the router", installation.install)
-        step("running the example (calibration call)", job.calibrate, calibration.stance)
+        step("running the example (calibration call)", job.calibrate, calibration)
         step(BINDING)
         calibration.compiled.clear()  # the gate's private graphs; the model's own compile again as they run
         records = _attention_records(job, installation, calibration) + _ffn_records(installation, calibration)
@@ -194,9 +195,10 @@ class Job:
     def calibration(self) -> Calibration:
         """The decisions of this attach, taken as the calibration call meets each (site, shape)."""
         total = None if self.adapter.discovered else len(self.modules) + len(self.ffn_modules)
+        stance = CalibrationStance.of(self.host, self.options.gate_compiled)  # the host runs eager during
+        blocks = Blocks(find_blocks(self.host) if stance.compiled and self.ffn_modules else {})  # calibration,
         return Calibration(self.forms, self.ffn_forms, self.gate, RouteTable(), self.staging, Progress(total),
-                           CalibrationStance.of(self.host, self.options.gate_compiled),  # the host runs eager
-                           MaskReuse.of(self.example), self.saved)  # during calibration, the forms in this stance
+                           stance, MaskReuse.of(self.example), self.saved, blocks=blocks)  # the forms in this stance
 
     def step_check(self) -> tuple[StepCheck | None, str]:
         """The step check of this attach, or None and why not."""
@@ -206,14 +208,15 @@ class Job:
             return None, "min_speedup=0 binds every form that qualifies"
         return StepCheck(self.run_example, _model_device(self.host) or torch.device("cpu"), self.agreement), ""
 
-    def calibrate(self, stance: CalibrationStance) -> None:
-        """The example call, eager and without autograd; each (site, shape) it meets is decided then. Counts the
-        calls it makes of the host's modules (`host_calls`: the model, or a pipeline's denoisers)."""
+    def calibrate(self, calibration: Calibration) -> None:
+        """The example call, eager and without autograd; each (site, shape) it meets is decided then (a compiled
+        block's projections when the block returns). Counts the calls it makes of the host's modules
+        (`host_calls`: the model, or a pipeline's denoisers)."""
         started = time.perf_counter()
         tops = list(self.host.values()) if isinstance(self.host, nn.ModuleDict) else [self.host]
         hooks = [m.register_forward_pre_hook(self._count_call) for m in tops]
         try:
-            with torch.no_grad(), stance.host():
+            with torch.no_grad(), calibration.stance.host(), calibration.blocks.watching(calibration.finish_block):
                 self.run_example()
         finally:
             for hook in hooks:

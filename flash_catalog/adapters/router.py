@@ -445,6 +445,8 @@ class AttentionRouter:
         plumbing = {k: kwargs[k] for k in ("_save_ctx", "_parallel_config") if k in kwargs}
         call_kwargs = {k: v for k, v in kwargs.items() if k not in plumbing}
         exact = functools.partial(forward_op, ctx, **plumbing)  # the host's own call, autograd context included
+        if self.mode is Mode.CAPTURE and torch.compiler.is_compiling():
+            return exact(*call_args, **call_kwargs)  # the gate compiles a block: the host's call
         if self.mode is Mode.CAPTURE and self.capture is not None:
             call, problem = canonical(LOCAL_SIGNATURE, call_args, call_kwargs, self.masks)
             host = self._local_host(forward_op, plumbing.get("_parallel_config"))
@@ -465,8 +467,8 @@ class AttentionRouter:
         traced = torch.compiler.is_compiling()
         stack = self._stack(traced)
         frame = stack[-1] if stack else None
-        if frame is None or frame.busy or self.mode is Mode.OFF:
-            return original(*args, **kwargs)
+        if frame is None or frame.busy or self.mode is Mode.OFF or (traced and self.mode is Mode.CAPTURE):
+            return original(*args, **kwargs)  # traced while calibrating: the gate compiles a block (blocks.py)
         ordinal = frame.ordinal
         frame.ordinal = ordinal + 1
         frame.busy = True

@@ -1,7 +1,8 @@
 """Calibration: the example call runs once, and each (site, shape) it meets is decided at that moment, for attention
 and feed-forward sites alike (`decide.decide`); the captured inputs are let go as soon as that shape is decided, so
 an attach holds one shape key's captures at a time. A bound feed-forward site routes (and gives up its host
-weights) from then on; an attention site's route is added to its slot, used once calibration ends.
+weights) from then on; an attention site's route is added to its slot, used once calibration ends. Gated compiled,
+a projection site inside a compiled block is decided when that block's forward returns (`blocks.py`).
 """
 
 from __future__ import annotations
@@ -22,13 +23,16 @@ from ..adapters.router import MetCall, SiteSlot
 from ..route.table import Alternative, RouteTable, unlisted_route
 from .compiled_calls import CompiledCalls
 from .calls import AttentionCall, Output, ShapeKey, StaticKey, describe_input, dims, dtype_name
-from ..decide.decide import AttachClock, Built, Contender, Decision, GateOptions, TimingCache, Trial, decide
+from ..decide.decide import (AttachClock, Built, Contender, Decision, GateOptions, TimingCache, Trial, decide,
+                             first_accurate)
+from ..decide.together import settle, time_together
+from .blocks import Blocks, Pending, block_forward, input_key
 from ..forms.base import AttentionForm, Runner
 from ..forms.ffn_base import FfnForm
 from ..kernels.staging import StagingKey, StagingPool
 from .mask_check import MaskCheck, MaskReuse
 from ..decide.memory import module_tensors, tensor_bytes
-from ..plan.records import ShapeRecord
+from ..plan.records import Basis, ShapeRecord
 from ..decide.qualify import envelope_rule, tensor_rule
 from ..decide.reuse import SavedDecisions
 from .stance import CalibrationStance
@@ -49,13 +53,19 @@ def ffn_timing_key(form: str, module: nn.Module, key: FfnKey) -> tuple:
     return form, *ffn_architecture(module), key
 
 
-def ffn_key_fields(module: nn.Module, key: FfnKey, compiled: bool = False) -> dict[str, Any]:
+def ffn_key_fields(module: nn.Module, key: FfnKey, compiled: bool = False, in_block: bool = False
+                   ) -> dict[str, Any]:
     """A feed-forward shape key as a receipt stores it (`ShapeRecord.key`), the architecture as a digest; a shape
-    gated compiled says so, so that a receipt serves only an attach gated the same way."""
+    gated compiled, or timed in its block, says so, so that a receipt serves only an attach gated the same way."""
     shape, dtype, device = key
     architecture = hashlib.sha256(repr(ffn_architecture(module)).encode()).hexdigest()[:16]
-    fields = {"x": list(shape), "dtype": dtype_name(dtype), "device": device.type, "module": architecture}
-    return {**fields, "compiled": True} if compiled else fields
+    fields: dict[str, Any] = {"x": list(shape), "dtype": dtype_name(dtype), "device": device.type,
+                              "module": architecture}
+    if compiled:
+        fields["compiled"] = True
+    if in_block:
+        fields["in_block"] = True
+    return fields
 
 
 def attention_contender(form: AttentionForm, site: str, call: AttentionCall,
@@ -103,6 +113,7 @@ class Calibration:
     timings: TimingCache = field(default_factory=TimingCache)
     clock: AttachClock = field(default_factory=AttachClock)
     compiled: CompiledCalls = field(default_factory=CompiledCalls)  # sites gated compiled share their graphs
+    blocks: Blocks = field(default_factory=Blocks)  # gated compiled: the blocks that judge their projections
     attention: dict[str, dict[Any, ShapeRecord]] = field(default_factory=dict)
     ffn: dict[str, dict[FfnKey, ShapeRecord]] = field(default_factory=dict)
     ffn_memory: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -178,13 +189,18 @@ class Calibration:
             return site.replacement(x) if key in site.keys else site.host_forward(x)
         site.known.add(key)
         compiled = self.stance.compiled and not site.offloaded  # offloaded weights: the host's eager path brings them
+        self.blocks.met(site)
+        block = self.blocks.of(site.path) if compiled and isinstance(site.module, nn.Linear) else None
         shown = describe_input(x) + (" compiled" if compiled else "")
-        record = records[key] = ShapeRecord(shown, 1, "host", key=ffn_key_fields(site.module, key, compiled))
+        record = records[key] = ShapeRecord(shown, 1, "host",
+                                            key=ffn_key_fields(site.module, key, compiled, block is not None))
         if not self.ffn_forms:
             record.reason = receipts.NO_FORMS.format(family="ffn")
             return site.host_forward(x)
         forms = [f for f in self.ffn_forms if site.form is None or f.name == site.form]  # one module per site
         built: dict[str, nn.Module] = {}
+        if block is not None:
+            return self._meet_in_block(site, x, key, record, forms, built, block)
         contenders = [self._ffn_contender(form, site, x, key, built, compiled) for form in forms]
         host = (self.compiled.call(("host", *ffn_architecture(site.module), key), site.host_forward, x) if compiled
                 else functools.partial(site.host_forward, x))
@@ -198,6 +214,70 @@ class Calibration:
             site.bind(decision.winner.contender.name, module, key)
             self.clock.offload_s += time.perf_counter() - started
         return decision.host_out
+
+    def _meet_in_block(self, site: FfnSite, x: torch.Tensor, key: FfnKey, record: ShapeRecord,
+                       forms: list[FfnForm], built: dict[str, nn.Module], block: str) -> torch.Tensor:
+        """A projection site in a compiled block: the first form (in the profile's order) that passes its accuracy
+        floor here waits for the block's verdict (`finish_block`); the host's output goes on."""
+        shape = f"x={dims(x.shape)}, compiled"
+        self.current = site.path
+        self.progress.meet(site.path, shape)
+        contenders = [self._ffn_contender(form, site, x, key, built, False) for form in forms]
+        trial = Trial(site.path, shape, x.device, functools.partial(site.host_forward, x))
+        with self.stance.forms():
+            checked, host_out = first_accurate(trial, contenders, self.options, self.clock, record)
+        if checked is None:
+            record.outcome, record.reason = "refused", "; ".join(record.trail)
+        else:
+            record.trail.append(receipts.pending_in_block(checked.contender.name, checked.accuracy, block))
+            self.blocks.pend(block, Pending(site, key, checked, record))
+        if self.saved is not None:
+            record.basis = Basis.REDECIDED
+            record.basis_reason = f"timed in block {block}: receipts keep no block trials"
+        self.current = None
+        return host_out
+
+    def finish_block(self, block: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """The block's forward returned: its pending projections, grouped by input key and form, are judged by the
+        block's time, one group after another (each group's host side holds the groups bound before it)."""
+        groups: dict[tuple[FfnKey, str], list[Pending]] = {}
+        for pending in self.blocks.take(block):
+            groups.setdefault((pending.key, pending.checked.contender.name), []).append(pending)
+        architecture, arguments = ffn_architecture(module), input_key((args, kwargs))
+        inside = len(block) + 1
+        for (key, form), members in groups.items():
+            state = self.blocks.bound_state(block)
+            paths = tuple(m.site.path[inside:] for m in members)
+            kind = ("block", *architecture, arguments, state)
+
+            def run(side: tuple, extra: list[Pending]) -> Callable[[], Any]:
+                call = self.compiled.call(kind + side, block_forward, module, args, kwargs)
+
+                def in_state() -> Any:
+                    with self.blocks.as_bound(block, extra):
+                        return call()
+
+                return in_state
+
+            shape = f"x={dims(key[0])}, compiled"
+            self.current = block
+            self.progress.meet(block, f"{len(members)} projections at {shape}")
+            trial = Trial(block, f"block {block}", key[2], run(("host",), []), compiled=True)
+            spec = members[0].checked.contender.spec
+            with self.stance.forms(), torch.no_grad():
+                together = time_together(trial, run(("form", form, paths, key), members), spec,
+                                         ("block", form, *kind, paths, key), len(members), self.options,
+                                         self.timings, self.clock)
+            settle([(m.record, m.checked.accuracy) for m in members], form, together, shape)
+            if together.faster:
+                for m in members:
+                    started = time.perf_counter()
+                    if m.site.replacement is None:
+                        self.ffn_memory[m.site.path] = _memory(m.site.module, m.checked.built.product,
+                                                               key[2].type)
+                    m.site.bind(form, m.checked.built.product, key)
+                    self.clock.offload_s += time.perf_counter() - started
+        self.current = None
 
     def _ffn_contender(self, form: FfnForm, site: FfnSite, x: torch.Tensor, key: FfnKey,
                        built: dict[str, nn.Module], compiled: bool) -> Contender:

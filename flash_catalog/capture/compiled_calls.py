@@ -19,17 +19,17 @@ from __future__ import annotations
 
 import types
 from dataclasses import dataclass, field
-from typing import Callable, Hashable
+from typing import Any, Callable, Hashable
 
 import torch
 
 from .stance import eager_forced
 
-Call = Callable[[torch.Tensor], torch.Tensor]
+Call = Callable[..., Any]
 
 
-def _call(fn: Call, x: torch.Tensor) -> torch.Tensor:
-    return fn(x)
+def _call(fn: Call, *args: Any, **kwargs: Any) -> Any:
+    return fn(*args, **kwargs)
 
 
 def _recompile_limit() -> int:
@@ -38,7 +38,7 @@ def _recompile_limit() -> int:
     return int(getattr(config, "recompile_limit", getattr(config, "cache_size_limit", 8)))
 
 
-def _private_compiled() -> Callable[[Call, torch.Tensor], torch.Tensor]:
+def _private_compiled() -> Callable[..., Any]:
     """`_call` compiled (fullgraph, static shapes) in a code object of its own; compiled at its first call."""
     private = types.FunctionType(_call.__code__.replace(), _call.__globals__, _call.__name__)
     return torch.compile(private, fullgraph=True, dynamic=False)
@@ -49,21 +49,21 @@ class CompiledCalls:
     """One attach's compiled calls, a private compiled code object per kind of call (`kind`: what the graph depends
     on, e.g. the side, the module's architecture and the input's key), each with the number of calls it serves."""
 
-    _compiled: dict[Hashable, tuple[Callable[[Call, torch.Tensor], torch.Tensor], int]] = field(default_factory=dict)
+    _compiled: dict[Hashable, tuple[Callable[..., Any], int]] = field(default_factory=dict)
 
-    def call(self, kind: Hashable, fn: Call, x: torch.Tensor) -> Callable[[], torch.Tensor]:
-        """`fn(x)` through the compiled code object of `kind`, run compiled also where the stance in force is
-        `force_eager` (`gate_compiled=True` asked for it)."""
+    def call(self, kind: Hashable, fn: Call, *args: Any, **kwargs: Any) -> Callable[[], Any]:
+        """`fn(*args, **kwargs)` through the compiled code object of `kind`, run compiled also where the stance in
+        force is `force_eager` (`gate_compiled=True` asked for it)."""
         compiled, served = self._compiled.get(kind, (None, 0))
         if compiled is None or served >= _recompile_limit():
             compiled, served = _private_compiled(), 0
         self._compiled[kind] = (compiled, served + 1)
 
-        def run() -> torch.Tensor:
+        def run() -> Any:
             if eager_forced():
                 with torch.compiler.set_stance("default"):
-                    return compiled(fn, x)
-            return compiled(fn, x)
+                    return compiled(fn, *args, **kwargs)
+            return compiled(fn, *args, **kwargs)
 
         return run
 

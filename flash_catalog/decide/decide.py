@@ -263,16 +263,22 @@ def _fill(record: ShapeRecord, outcome: str, m: Measured) -> None:
     record.spread, record.rounds = (m.timing.low, m.timing.high), m.timing.rounds
 
 
-def _measure(trial: Trial, contender: Contender, host_out: torch.Tensor, options: GateOptions,
-             timings: TimingCache, clock: AttachClock, record: ShapeRecord) -> Measured | None:
-    """Qualify, build and run once, gate accuracy, then time; refusals go on the record's trail. A form already
-    timed not faster at this shape (at another site) is not run again: only its verdict is reused."""
+@dataclass(frozen=True)
+class Checked:
+    """A form that qualified, built, ran once and passed its accuracy floor at a trial."""
+
+    contender: Contender
+    built: Built
+    accuracy: Accuracy
+    layout: tuple[int, ...]  # the output's stride order, outermost dim first
+
+
+def check_accuracy(trial: Trial, contender: Contender, host_out: torch.Tensor, options: GateOptions,
+                   clock: AttachClock, record: ShapeRecord) -> Checked | None:
+    """Qualify, build and run once, gate accuracy; refusals go on the record's trail (None: refused)."""
     if contender.rule is not None:
         record.trail.append(receipts.refused(contender.name, contender.rule, trial.shape))
         return None
-    known = timings.known(contender.timing_key, trial.site)
-    if known is not None and not clears(known[0], options.speedup_needed(contender.spec)):
-        return Measured(contender, None, None, *known, ())  # speed is per shape: no run can change the verdict
     started = time.perf_counter()
     failure: Exception | None = None
     out: Any = None
@@ -296,35 +302,66 @@ def _measure(trial: Trial, contender: Contender, host_out: torch.Tensor, options
     if not accuracy.passes(floor):
         record.trail.append(receipts.below_floor(contender.name, accuracy, floor, trial.shape))
         return None
+    return Checked(contender, built, accuracy, layout)
 
-    timed = built.routed(layout) if built.routed is not None else built.run
 
-    def measure() -> Timing:
-        local_timing: Timing | None = None
-        error: Exception | None = None
-        try:
-            with torch.no_grad():
-                local_timing = paired_speedup(trial.host, timed, trial.device,
-                                              rounds=options.rounds_for(trial.device),
-                                              need=options.speedup_needed(contender.spec),
-                                              timer=DeviceTimer() if trial.compiled and trial.device.type == "cuda"
-                                              else None)
-        except Exception as exc:  # failing while timed (out of memory, say) refuses the form, as failing to run does
-            error = exc
-        why = options.agreement.failure(error)
-        if why is not None or local_timing is None:
-            raise _TimingFailed(why or "no timing")
-        return options.agreement.timing(local_timing)
-
+def first_accurate(trial: Trial, contenders: Sequence[Contender], options: GateOptions, clock: AttachClock,
+                   record: ShapeRecord) -> tuple[Checked | None, torch.Tensor]:
+    """The first contender, in the order given, that passes its accuracy floor (for a site whose speed is judged
+    elsewhere: `together.py`), with the host's output; the others' refusals go on the record's trail."""
+    started = time.perf_counter()
     try:
-        timing, timed_at = timings.timed(contender.timing_key, trial.site, measure)
-    except _TimingFailed as failed:
+        host_out = trial.host()
+        for contender in contenders:
+            checked = check_accuracy(trial, contender, host_out, options, clock, record)
+            if checked is not None:
+                return checked, host_out
+        return None, host_out
+    finally:
+        clock.gating_s += time.perf_counter() - started
+
+
+def paired_timing(trial: Trial, timed: Callable[[], Any], need: float, options: GateOptions) -> Timing:
+    """The host's call against `timed`, paired (`gate.paired_speedup`), by the GPU's time where both sides run
+    compiled on CUDA, combined over the ranks; raises `TimingFailed` (on every rank) where any rank failed."""
+    local_timing: Timing | None = None
+    error: Exception | None = None
+    try:
+        with torch.no_grad():
+            local_timing = paired_speedup(trial.host, timed, trial.device, rounds=options.rounds_for(trial.device),
+                                          need=need, timer=DeviceTimer() if trial.compiled and
+                                          trial.device.type == "cuda" else None)
+    except Exception as exc:  # failing while timed (out of memory, say) refuses the form, as failing to run does
+        error = exc
+    why = options.agreement.failure(error)
+    if why is not None or local_timing is None:
+        raise TimingFailed(why or "no timing")
+    return options.agreement.timing(local_timing)
+
+
+def _measure(trial: Trial, contender: Contender, host_out: torch.Tensor, options: GateOptions,
+             timings: TimingCache, clock: AttachClock, record: ShapeRecord) -> Measured | None:
+    """Qualify, build and run once, gate accuracy, then time; refusals go on the record's trail. A form already
+    timed not faster at this shape (at another site) is not run again: only its verdict is reused."""
+    need = options.speedup_needed(contender.spec)
+    known = timings.known(contender.timing_key, trial.site)
+    if contender.rule is None and known is not None and not clears(known[0], need):
+        return Measured(contender, None, None, *known, ())  # speed is per shape: no run can change the verdict
+    checked = check_accuracy(trial, contender, host_out, options, clock, record)
+    if checked is None:
+        return None
+    built = checked.built
+    timed = built.routed(checked.layout) if built.routed is not None else built.run
+    try:
+        timing, timed_at = timings.timed(contender.timing_key, trial.site,
+                                         lambda: paired_timing(trial, timed, need, options))
+    except TimingFailed as failed:
         record.trail.append(receipts.failed(contender.name, failed.why, trial.shape, stage="time"))
         return None
     alone = None
-    if built.routed is not None and not timed_at and not clears(timing, options.speedup_needed(contender.spec)):
+    if built.routed is not None and not timed_at and not clears(timing, need):
         alone = _alone(built, timing, trial.device, options.agreement)
-    return Measured(contender, built, accuracy, timing, timed_at, layout, alone)
+    return Measured(contender, built, checked.accuracy, timing, timed_at, checked.layout, alone)
 
 
 def _alone(built: Built, routed: Timing, device: torch.device, agreement: Agreement) -> float | None:
@@ -339,7 +376,7 @@ def _alone(built: Built, routed: Timing, device: torch.device, agreement: Agreem
     return routed.host_ms / 1e3 / seconds if 0 < seconds < float("inf") else None
 
 
-class _TimingFailed(Exception):
+class TimingFailed(Exception):
     """The paired timing of a form failed on this rank or another; `why` says where and how (`Agreement.failure`)."""
 
     def __init__(self, why: str) -> None:

@@ -59,6 +59,16 @@ def not_run_slower(form: str, speed: str, winner: str) -> str:
     return f"{form}: not run here, {speed} is slower than {winner}"
 
 
+def in_block(block: str, sites: int) -> str:
+    """Where a timing of sites decided together came from: their block's trial (`decide/together.py`)."""
+    return f"timed in block {block} with {sites} site{'s' if sites != 1 else ''}"
+
+
+def pending_in_block(form: str, accuracy: Accuracy, block: str) -> str:
+    """A projection site accurate at its input, whose speed its block judges once its forward returns."""
+    return f"{form}: {accuracy.describe()}, its speed judged in block {block}"
+
+
 def host_only(problem: str) -> str:
     return f"host only: {problem}"
 
@@ -68,7 +78,8 @@ NOT_CALLED = "not called during calibration"
 
 
 _FIGURES = r"\S+x \([^()]* ms, spread [^()]*, \d+ rounds\)"  # Timing.describe()
-_ORIGIN = r"(?:timed at|reused from) [^()]*?"  # a timing measured at another site, or taken from a receipt
+_ORIGIN = r"(?:timed at|timed in block|reused from) [^()]*?"  # a timing measured at another site or in a block,
+# or taken from a receipt
 _BOUND = re.compile(rf"(?P<form>\S+): {_FIGURES}(?: \((?P<at>{_ORIGIN})\))?, faster than \S+x, cos=\S+ err=\S+"
                     rf"(?:; (?P<detail>.*))?", re.S)
 _DECLINED = re.compile(rf"(?P<form>\S+): declined, (?P<verdict>[a-z ]+ \(need \S+x\)): {_FIGURES}"

@@ -51,6 +51,8 @@ class ShapeRecord:
     basis_reason: str = ""  # a receipt was given: what was reused from it, or why it did not serve
     variant: str | None = None  # bound: the form's own variant it chose (`Runner.variant`), which a later attach
     # from this receipt builds again instead of timing the variants anew
+    timed_together: int = 1  # the sites one timing judged together (a block's projections, decide/together.py):
+    # each counts its share of the gain
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "basis": self.basis.value}
@@ -104,8 +106,8 @@ class SiteRecord:
     @property
     def gain_ms(self) -> float:
         """What the bound shapes saved over the calibration, as the gate measured them: sum of (host - form) ms x
-        calls (0 where a shape was not timed here)."""
-        return sum((s.host_ms - s.form_ms) * s.calls for s in self.shapes
+        calls, shared among the sites timed together (0 where a shape was not timed here)."""
+        return sum((s.host_ms - s.form_ms) * s.calls / s.timed_together for s in self.shapes
                    if s.outcome == "bound" and s.host_ms is not None and s.form_ms is not None)
 
     def dropped_at_step(self, step: str) -> None:
