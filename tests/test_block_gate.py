@@ -173,3 +173,30 @@ def test_attached_eager_the_projections_are_decided_alone():
     assert all(r.timed_together == 1 and "in_block" not in r.key and "timed in block" not in r.reason
                for r in records.values()), str(plan)
     detach(plan)
+
+
+class _CalledFromOutside(nn.Module):
+    """A block whose projection the model calls itself, outside the block's forward."""
+
+    _repeated_blocks = ["_Block"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = _Block()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block.attn.to_q(x)
+
+
+def test_a_projection_its_block_never_returns_around_stays_on_the_host_and_says_why():
+    torch.manual_seed(0)
+    model = _CalledFromOutside().to(torch.bfloat16).eval()
+    inputs = {"x": torch.randn(2, 16, 32, dtype=torch.bfloat16)}
+    reference = _run(model, inputs)
+    plan = attach(model, inputs, gate_compiled=True, attention_forms=[], ffn_forms=["int8_rowwise"],
+                  projections=PROJECTIONS, min_speedup=0)
+    record = _projections(plan)["block.attn.to_q"]
+    assert record.outcome == "host" and record.reason == (
+        "int8_rowwise: not decided, block block did not return around this call, so the host serves it")
+    assert torch.equal(_run(model, inputs), reference)
+    detach(plan)

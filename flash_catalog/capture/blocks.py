@@ -24,6 +24,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..adapters.ffn import FfnKey, FfnSite
 from ..decide.decide import Checked
+from ..plan import receipts
 from ..plan.records import ShapeRecord
 
 Finish = Callable[[str, nn.Module, tuple[Any, ...], dict[str, Any]], None]
@@ -119,6 +120,10 @@ class Blocks:
         finally:
             for handle in handles:
                 handle.remove()
+            for block, left in self.pending.items():  # met inside a block whose forward never returned around them
+                for p in left:
+                    p.record.reason = receipts.unjudged(p.checked.contender.name, block)
+                    p.record.trail.append(p.record.reason)
             self.pending.clear()
             self.sites.clear()
 

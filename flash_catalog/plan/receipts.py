@@ -69,6 +69,12 @@ def pending_in_block(form: str, accuracy: Accuracy, block: str) -> str:
     return f"{form}: {accuracy.describe()}, its speed judged in block {block}"
 
 
+def unjudged(form: str, block: str) -> str:
+    """A pending projection whose block's forward never returned around it (its module was called from outside
+    the block's forward): it stays on the host."""
+    return f"{form}: not decided, block {block} did not return around this call, so the host serves it"
+
+
 def host_only(problem: str) -> str:
     return f"host only: {problem}"
 
