@@ -37,6 +37,17 @@ def _sdpa_left_untouched():
 
 
 @pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches and counters empty before and after the test (graph counts start at 0)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
 def mask_reads(monkeypatch):
     """How many times a mask check has read a mask's content (`MaskCheck.passes`), as a one-item list."""
     from flash_catalog.capture.mask_check import MaskCheck

@@ -17,12 +17,7 @@ from flash_catalog.plan.plan import Plan
 PROJECTIONS = ["*attn.to_q", "*attn.to_k", "*attn.to_v", "*attn.to_out", "*attn.to_out.0", "*attn.add_q_proj"]
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 class _Attention(nn.Module):
