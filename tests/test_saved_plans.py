@@ -467,6 +467,17 @@ def test_any_bytes_give_a_plan_or_a_receipt_error(tmp_path, data):
     assert str(plan) and plan.to_json()
 
 
+def test_a_receipt_whose_shape_text_lost_its_dtype_still_prints(tmp_path):
+    """The table drops the dtype from each shape cell when the header names it; a receipt whose shape text does not
+    hold that dtype (edited by hand: "...)!float32") prints that text as it is (found by the fuzz test above)."""
+    path, _ = saved_receipt(tmp_path, build("flux"))
+    data = json.loads(path.read_text())
+    shape = data["sites"][0]["shapes"][0]
+    shape["shape"] = shape["shape"].replace(" float32", "!float32")
+    plan = Plan.from_dict(data, source="an edited receipt")
+    assert shape["shape"] in str(plan)
+
+
 RECEIPT_BYTES: dict[str, bytes] = {}
 
 

@@ -116,9 +116,10 @@ def _shared(shapes: Sequence[tuple[SiteRecord, ShapeRecord]], field: str) -> str
 
 
 def _shape(s: ShapeRecord, dtype: str | None, label_layout: bool) -> str:
-    """The shape cell: without the dtype the header names; with the layout where the header cannot name one."""
+    """The shape cell: without the dtype the header names (where the shape's text holds it: a receipt's key and
+    text may disagree); with the layout where the header cannot name one."""
     words = s.shape.split(" ")
-    if dtype is not None:
+    if dtype in words:
         words.remove(dtype)
     layout = (s.key or {}).get("layout") if label_layout else None
     return " ".join(([LAYOUTS.get(layout, layout)] if layout else []) + words)
