@@ -83,10 +83,12 @@ class Blocks:
         holders = [b for b in self.modules if path.startswith(f"{b}.")]
         return max(holders, key=len) if holders else None
 
-    def met(self, site: FfnSite) -> None:
+    def met(self, site: FfnSite) -> str | None:
+        """Remember the site under its innermost block; that block's path, or None."""
         block = self.of(site.path)
         if block is not None:
             self.sites.setdefault(block, {})[site.path] = site
+        return block
 
     def pend(self, block: str, pending: Pending) -> None:
         self.pending.setdefault(block, []).append(pending)

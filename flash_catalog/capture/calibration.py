@@ -189,8 +189,9 @@ class Calibration:
             return site.replacement(x) if key in site.keys else site.host_forward(x)
         site.known.add(key)
         compiled = self.stance.compiled and not site.offloaded  # offloaded weights: the host's eager path brings them
-        self.blocks.met(site)
-        block = self.blocks.of(site.path) if compiled and isinstance(site.module, nn.Linear) else None
+        block = self.blocks.met(site)
+        if not (compiled and isinstance(site.module, nn.Linear)):
+            block = None  # only a projection gated compiled waits for its block
         shown = describe_input(x) + (" compiled" if compiled else "")
         record = records[key] = ShapeRecord(shown, 1, "host",
                                             key=ffn_key_fields(site.module, key, compiled, block is not None))
@@ -207,13 +208,16 @@ class Calibration:
         decision = self._decide(site.path, record, f"x={dims(x.shape)}{', compiled' if compiled else ''}", x.device,
                                 host, contenders, compiled)
         if decision.winner is not None:
-            module = decision.winner.built.product
-            if site.replacement is None:
-                self.ffn_memory[site.path] = _memory(site.module, module, x.device.type)
-            started = time.perf_counter()
-            site.bind(decision.winner.contender.name, module, key)
-            self.clock.offload_s += time.perf_counter() - started
+            self._bind(site, decision.winner.contender.name, decision.winner.built.product, key)
         return decision.host_out
+
+    def _bind(self, site: FfnSite, form: str, module: nn.Module, key: FfnKey) -> None:
+        """Serve `key` at the site with the form's module; its first bind records the memory and offloads."""
+        if site.replacement is None:
+            self.ffn_memory[site.path] = _memory(site.module, module, key[2].type)
+        started = time.perf_counter()
+        site.bind(form, module, key)
+        self.clock.offload_s += time.perf_counter() - started
 
     def _meet_in_block(self, site: FfnSite, x: torch.Tensor, key: FfnKey, record: ShapeRecord,
                        forms: list[FfnForm], built: dict[str, nn.Module], block: str) -> torch.Tensor:
@@ -262,7 +266,7 @@ class Calibration:
             shape = f"x={dims(key[0])}, compiled"
             self.current = block
             self.progress.meet(block, f"{len(members)} projections at {shape}")
-            trial = Trial(block, f"block {block}", key[2], run(("host",), []), compiled=True)
+            trial = Trial(block, shape, key[2], run(("host",), []), compiled=True)
             spec = members[0].checked.contender.spec
             with self.stance.forms(), torch.no_grad():
                 together = time_together(trial, run(("form", form, paths, key), members), spec,
@@ -271,12 +275,7 @@ class Calibration:
             settle([(m.record, m.checked.accuracy) for m in members], form, together, shape)
             if together.faster:
                 for m in members:
-                    started = time.perf_counter()
-                    if m.site.replacement is None:
-                        self.ffn_memory[m.site.path] = _memory(m.site.module, m.checked.built.product,
-                                                               key[2].type)
-                    m.site.bind(form, m.checked.built.product, key)
-                    self.clock.offload_s += time.perf_counter() - started
+                    self._bind(m.site, form, m.checked.built.product, key)
         self.current = None
 
     def _ffn_contender(self, form: FfnForm, site: FfnSite, x: torch.Tensor, key: FfnKey,

@@ -256,11 +256,16 @@ def _skip_slower(pending: list[Contender], best: Measured, options: GateOptions,
 
 
 def _fill(record: ShapeRecord, outcome: str, m: Measured) -> None:
-    record.outcome, record.form, record.speedup = outcome, m.contender.name, m.timing.speedup
-    if m.accuracy is not None:
-        record.cosine, record.max_rel_err = m.accuracy.cosine, m.accuracy.max_rel_err
-    record.host_ms, record.form_ms = m.timing.host_ms, m.timing.form_ms
-    record.spread, record.rounds = (m.timing.low, m.timing.high), m.timing.rounds
+    fill(record, outcome, m.contender.name, m.timing, m.accuracy)
+
+
+def fill(record: ShapeRecord, outcome: str, form: str, timing: Timing, accuracy: Accuracy | None) -> None:
+    """The record's outcome, form and figures (accuracy where the form ran here) from one measurement."""
+    record.outcome, record.form, record.speedup = outcome, form, timing.speedup
+    if accuracy is not None:
+        record.cosine, record.max_rel_err = accuracy.cosine, accuracy.max_rel_err
+    record.host_ms, record.form_ms = timing.host_ms, timing.form_ms
+    record.spread, record.rounds = (timing.low, timing.high), timing.rounds
 
 
 @dataclass(frozen=True)

@@ -20,21 +20,20 @@ import torch
 from ..catalog.specs import Spec
 from ..plan import receipts
 from ..plan.records import ShapeRecord
-from .decide import (AttachClock, GateOptions, TimingCache, TimingFailed, Trial, clears, paired_timing)
+from .decide import AttachClock, GateOptions, TimingCache, TimingFailed, Trial, clears, fill, paired_timing
 from .gate import Accuracy, Timing, measure_accuracy
 
 
 @dataclass(frozen=True)
 class Together:
-    """A group's verdict at its block: the timing (None: it failed, `failure` says why) and where it was measured,
-    the block's accuracy where it ran here, and the speedup it needed."""
+    """A group's verdict at its block: the timing and the block whose trial measured it, or (timing None) the
+    receipt's sentence saying why the group was refused; and the speedup it needed."""
 
     timing: Timing | None
-    origin: str  # the block whose trial measured the timing
+    origin: str  # the block whose trial measured the timing, or where it failed
     sites: int
     need: float
-    accuracy: Accuracy | None = None
-    failure: str = ""
+    refusal: str = ""
 
     @property
     def faster(self) -> bool:
@@ -47,14 +46,16 @@ class Together:
 
 def time_together(trial: Trial, attached: Callable[[], Any], spec: Spec, timing_key: tuple, sites: int,
                   options: GateOptions, timings: TimingCache, clock: AttachClock) -> Together:
-    """The group's verdict: `trial.host` is the block as decided so far, `attached` the block with the group bound;
-    `timing_key` names what the timing depends on (form, block architecture, input, state, the group's paths)."""
+    """The group's verdict: `trial.host` is the block as decided so far, `attached` the block with the group bound
+    (`trial.shape`: the group's input); `timing_key` names what the timing depends on (form, block architecture,
+    input, state, the group's paths)."""
     need = options.speedup_needed(spec)
     started = time.perf_counter()
     try:
         known = timings.entries.get(timing_key)
         if known is not None:
             return Together(known.timing, known.origin, sites, need)
+        failed = f"time in block {trial.site}"
         error: Exception | None = None
         try:
             host_out = trial.host()
@@ -63,17 +64,18 @@ def time_together(trial: Trial, attached: Callable[[], Any], spec: Spec, timing_
             error = exc
         why = options.agreement.failure(error)  # on every rank, so that one rank's failure refuses on all
         if why is not None:
-            return Together(None, trial.site, sites, need, failure=why)
+            return Together(None, trial.site, sites, need, receipts.failed(spec.name, why, trial.shape, failed))
         accuracy = options.agreement.accuracy(_worst(out, host_out))
         del out, host_out
-        if not accuracy.passes(options.floor(spec)):
-            return Together(None, trial.site, sites, need, accuracy,
-                            receipts.below_floor(spec.name, accuracy, options.floor(spec), trial.shape))
+        floor = options.floor(spec)
+        if not accuracy.passes(floor):
+            return Together(None, trial.site, sites, need,
+                            receipts.below_floor(spec.name, accuracy, floor, f"{trial.shape} in block {trial.site}"))
         try:
             timing, _ = timings.timed(timing_key, trial.site, lambda: paired_timing(trial, attached, need, options))
-        except TimingFailed as failed:
-            return Together(None, trial.site, sites, need, accuracy, failed.why)
-        return Together(timing, trial.site, sites, need, accuracy)
+        except TimingFailed as failure:
+            return Together(None, trial.site, sites, need, receipts.failed(spec.name, failure.why, trial.shape, failed))
+        return Together(timing, trial.site, sites, need)
     finally:
         clock.gating_s += time.perf_counter() - started
 
@@ -103,17 +105,12 @@ def settle(records: Sequence[tuple[ShapeRecord, Accuracy]], form: str, together:
     for record, accuracy in records:
         record.timed_together = together.sites
         if together.timing is None:
-            record.outcome, record.form = "refused", form
-            record.reason = receipts.failed(form, together.failure, shape, stage=f"time in block {together.origin}")
+            record.outcome, record.form, record.reason = "refused", form, together.refusal
             record.trail.append(record.reason)
             continue
         timing = together.timing
         record.timings[form] = timing
-        record.outcome = "bound" if together.faster else "declined"
-        record.form, record.speedup = form, timing.speedup
-        record.cosine, record.max_rel_err = accuracy.cosine, accuracy.max_rel_err
-        record.host_ms, record.form_ms = timing.host_ms, timing.form_ms
-        record.spread, record.rounds = (timing.low, timing.high), timing.rounds
+        fill(record, "bound" if together.faster else "declined", form, timing, accuracy)
         record.reason = (receipts.bound(form, receipts.figures(timing, together.where), together.need, accuracy, "")
                          if together.faster else
                          receipts.declined(form, timing, together.where, together.need, shape, accuracy))
