@@ -341,3 +341,31 @@ def test_a_receipt_serves_feed_forward_shapes_gated_the_same_way_only():
     assert all(("timed in block" if r.key.get("in_block") else "has no decision for this site at this shape")
                in r.basis_reason for r in records)  # to_q is timed in its block: the receipt keeps no block trials
     detach(compiled)
+
+
+def test_attention_sites_gated_for_a_compiled_model_say_so_and_receipts_serve_the_same_gating_only():
+    """Gated for a compiled model, an attention shape is timed by the GPU's time (the routed call is one opaque op
+    in the compiled graph, its launches hidden): its record says "compiled" and its key records it, so a receipt of
+    an eager-gated attach re-decides those shapes (and serves an attach gated eager again)."""
+    import json
+
+    from flash_catalog import Plan
+    from flash_catalog.plan.records import Basis
+
+    host = build("flux", dtype=torch.bfloat16)
+    inputs = host.inputs()
+    forced = dict(attention_forms=["sdpa_dense"], min_speedup=0)
+    plan = attach(host.model, inputs, gate_compiled=False, **forced)
+    records = [r for s in plan.sites if s.kind == "attention" for r in s.shapes]
+    assert records and all(r.outcome == "bound" and "compiled" not in r.key for r in records), str(plan)
+    assert not any(r.shape.endswith(" compiled") for r in records)
+    receipt = Plan.from_dict(json.loads(json.dumps(plan.to_dict())), source="the eager receipt")
+    detach(plan)
+    compiled = attach(host.model, inputs, gate_compiled=True, plan=receipt, **forced)
+    records = [r for s in compiled.sites if s.kind == "attention" for r in s.shapes]
+    assert all(r.shape.endswith(" compiled") and r.key["compiled"] is True for r in records), str(compiled)
+    assert {r.basis for r in records} == {Basis.REDECIDED}
+    detach(compiled)
+    again = attach(host.model, inputs, gate_compiled=False, plan=receipt, **forced)
+    assert {r.basis for s in again.sites if s.kind == "attention" for r in s.shapes} == {Basis.REUSED}
+    detach(again)

@@ -2,7 +2,9 @@
 and feed-forward sites alike (`decide.decide`); the captured inputs are let go as soon as that shape is decided, so
 an attach holds one shape key's captures at a time. A bound feed-forward site routes (and gives up its host
 weights) from then on; an attention site's route is added to its slot, used once calibration ends. Gated compiled,
-a projection site inside a compiled block is decided when that block's forward returns (`blocks.py`).
+a projection site inside a compiled block is decided when that block's forward returns (`blocks.py`), and an
+attention site's routed call is timed by the GPU's time: in the compiled graph it is one opaque op running the same
+kernels, whose launches the busy GPU hides.
 """
 
 from __future__ import annotations
@@ -65,6 +67,15 @@ def ffn_key_fields(module: nn.Module, key: FfnKey, compiled: bool = False, in_bl
         fields["compiled"] = True
     if in_block:
         fields["in_block"] = True
+    return fields
+
+
+def attention_key_fields(key: ShapeKey, compiled: bool = False) -> dict[str, Any]:
+    """An attention shape key as a receipt stores it (`ShapeRecord.key`); a shape gated for a compiled model says
+    so, so that a receipt serves only an attach gated the same way."""
+    fields = key.fields()
+    if compiled:
+        fields["compiled"] = True
     return fields
 
 
@@ -133,8 +144,9 @@ class Calibration:
         if key in records:
             records[key].calls += 1
             return met.host()
-        record = ShapeRecord(key.describe() if call is not None else "-", 1, "host",
-                             key=key.fields() if call is not None else None)
+        compiled = self.stance.compiled
+        record = ShapeRecord(key.describe() + (" compiled" if compiled else "") if call is not None else "-", 1,
+                             "host", key=attention_key_fields(key, compiled) if call is not None else None)
         records[key] = record
         if call is None or met.problem:
             record.reason = receipts.host_only(met.problem or "")
@@ -144,7 +156,7 @@ class Calibration:
         if not self.attention_forms:
             record.reason = receipts.NO_FORMS.format(family="attention")
             return met.host()
-        shape = f"q={dims(call.host_shape(call.query))}"
+        shape = f"q={dims(call.host_shape(call.query))}{', compiled' if compiled else ''}"
 
         def rehearse(runner: Runner, layout: tuple[int, ...]) -> Callable[[], Output]:
             alternatives = (*self._alternatives.get((slot.path, ordinal, static), ()),
@@ -152,7 +164,8 @@ class Calibration:
             return met.rehearsal(unlisted_route(static, met.original, call.static, alternatives, layout), reused)
 
         decision = self._decide(site, record, shape, call.query.device, met.host,
-                                [attention_contender(form, site, call, rehearse) for form in self.attention_forms])
+                                [attention_contender(form, site, call, rehearse) for form in self.attention_forms],
+                                compiled)
         if decision.winner is not None:
             self._route(slot, ordinal, call, static, met.original, decision.winner.built.product,
                         decision.winner.layout)

@@ -43,7 +43,8 @@ def user_compiled(model: nn.Module) -> bool:
 @dataclass(frozen=True)
 class CalibrationStance:
     """The user's stance when attach began (`user`), whether the model runs compiled in it (`compiled`: its
-    feed-forward sites are then gated compiled, capture/compiled_calls.py), and the two scopes of a calibration."""
+    feed-forward sites are then gated compiled, capture/compiled_calls.py, and its attention sites timed by the GPU's
+    time), and the two scopes of a calibration."""
 
     user: Any
     compiled: bool = False

@@ -106,7 +106,7 @@ class Trial:
     shape: str      # "q=(1,32,2,12)" or "x=(2,9,8)": the shape as the trail names it
     device: torch.device
     host: Callable[[], torch.Tensor]
-    compiled: bool = False  # both sides run compiled: timed by the GPU's time (`gate.DeviceTimer`) on CUDA
+    compiled: bool = False  # gated for a compiled model: timed by the GPU's time (`gate.DeviceTimer`) on CUDA
 
 
 @dataclass(frozen=True)
