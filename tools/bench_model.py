@@ -43,9 +43,11 @@ fingerprint checked against the host's), torchao's
 `quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))` on every bf16 `nn.Linear`, and
 the same regional compile; on CUDA with torchao only (a benchmark-only extra: `pip install 'flash_catalog[bench]'`),
 else skipped with the reason. It runs last because torchao sets its recommended inductor
-options for the whole process. Each row: median ms over `--steps` timed calls and its output's cosine against the
-host eager output. Rows that would not finish within `--budget-s` (estimated from the host's step time) are
-skipped. The JSON is rewritten after every row; the tables come last, with the never-slower checks (`checks` in the
+options for the whole process. Each row: median ms over `--steps` timed calls (each synchronised), the same
+number of calls queued back to back ("piped ms": a sampling loop's rate), the GPU's clock, power, temperature and
+throttle reasons after them (`gpu_after`, from nvidia-smi), and its output's cosine against the host eager output.
+Rows that would not finish within `--budget-s` (estimated from the host's step time) are skipped. The JSON is
+rewritten after every row; the tables come last, with the never-slower checks (`checks` in the
 JSON): each profile's attached eager row against the host eager, its attached compiled row against the host
 compiled (and its ratio to the peer where that ran), "ok" at 1.0x or more, else "SLOWER than the host"; an eager row
 of a plan gated compiled is "not held" (that plan is the compiling user's); a check says which of its rows are
@@ -65,6 +67,7 @@ import os
 import re
 import signal
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -478,7 +481,27 @@ def time_steps(model: nn.Module, inputs: dict[str, Any], device: torch.device, w
     record["ms"] = statistics.median(times)
     record["spread"] = (max(times) - min(times)) / record["ms"]
     record["pipelined_ms"] = pipelined_ms(model, inputs, device, steps)
+    record["gpu_after"] = gpu_state(device)
     return out
+
+
+GPU_FIELDS = ("clocks.sm", "power.draw", "temperature.gpu", "clocks_throttle_reasons.active")
+
+
+def gpu_state(device: torch.device) -> dict[str, str] | None:
+    """The GPU's SM clock (MHz), power (W), temperature (C) and active throttle reasons (a bit mask) right after a
+    row's steps, from nvidia-smi: a row that runs slower than its neighbours may have run at a lower clock. None
+    off CUDA or without nvidia-smi."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        line = subprocess.run(["nvidia-smi", f"--id={index}", f"--query-gpu={','.join(GPU_FIELDS)}",
+                               "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return dict(zip(GPU_FIELDS, (v.strip() for v in line.split(","))))
 
 
 def pipelined_ms(model: nn.Module, inputs: dict[str, Any], device: torch.device, steps: int) -> float:
@@ -610,7 +633,8 @@ class Bench:
                 f"x{fmt(record.get('x_host_eager'), '.3f')} vs host eager, "
                 f"x{fmt(record.get('x_host_compiled'), '.3f')} vs host compiled, "
                 f"cos {fmt(record.get('cos_vs_host_eager'), '.7f')}, new graphs {record.get('new_graphs', '-')}, "
-                f"repeatable {record.get('repeatable', '-')}")
+                f"repeatable {record.get('repeatable', '-')}, piped {fmt(record.get('pipelined_ms'), '.1f')} ms, "
+                f"GPU after {record.get('gpu_after')}")
         return record
 
     def reference(self) -> None:
