@@ -48,6 +48,7 @@ def test_bench_model_image_hosts(model, tmp_path, fresh_clock):
         assert finite(rows[name]["ms"]) and finite(rows[name]["cos_vs_host_eager"])
         assert rows[name]["cos_vs_host_eager"] > 0.999
         assert finite(rows[name]["pipelined_ms"]) and rows[name]["gpu_after"] is None  # no GPU state off CUDA
+        assert len(rows[name]["gc_collections"]) == 3 and min(rows[name]["gc_collections"]) >= 0
     assert rows["peer compiled"]["status"] == f"skipped: {peer_skip_reason()}"
     (profile,) = data["profiles"]
     assert profile["status"] == "ok" and profile["detach_state_dict_equal"] and profile["detach_eager_equal"]

@@ -45,7 +45,9 @@ the same regional compile; on CUDA with torchao only (a benchmark-only extra: `p
 else skipped with the reason. It runs last because torchao sets its recommended inductor
 options for the whole process. Each row: median ms over `--steps` timed calls (each synchronised), the same
 number of calls queued back to back ("piped ms": a sampling loop's rate), the GPU's clock, power, temperature and
-throttle reasons after them (`gpu_after`, from nvidia-smi), and its output's cosine against the host eager output.
+throttle reasons after them (`gpu_after`, from nvidia-smi), Python's garbage collections during them by generation
+(`gc_collections`: a full one can stall the host for tens of ms), and its output's cosine against the host eager
+output.
 Rows that would not finish within `--budget-s` (estimated from the host's step time) are skipped. The JSON is
 rewritten after every row; the tables come last, with the never-slower checks (`checks` in the
 JSON): each profile's attached eager row against the host eager, its attached compiled row against the host
@@ -62,6 +64,7 @@ noisy (their steps spread by more than 10% of the median).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -473,6 +476,7 @@ def time_steps(model: nn.Module, inputs: dict[str, Any], device: torch.device, w
     out: Outputs = ()
     for _ in range(warmup):
         call(model, inputs, device)
+    collections = [g["collections"] for g in gc.get_stats()]
     times = []
     for _ in range(steps):
         seconds, out = call(model, inputs, device)
@@ -482,6 +486,7 @@ def time_steps(model: nn.Module, inputs: dict[str, Any], device: torch.device, w
     record["spread"] = (max(times) - min(times)) / record["ms"]
     record["pipelined_ms"] = pipelined_ms(model, inputs, device, steps)
     record["gpu_after"] = gpu_state(device)
+    record["gc_collections"] = [g["collections"] - c for g, c in zip(gc.get_stats(), collections)]
     return out
 
 
@@ -634,7 +639,7 @@ class Bench:
                 f"x{fmt(record.get('x_host_compiled'), '.3f')} vs host compiled, "
                 f"cos {fmt(record.get('cos_vs_host_eager'), '.7f')}, new graphs {record.get('new_graphs', '-')}, "
                 f"repeatable {record.get('repeatable', '-')}, piped {fmt(record.get('pipelined_ms'), '.1f')} ms, "
-                f"GPU after {record.get('gpu_after')}")
+                f"GPU after {record.get('gpu_after')}, gc {record.get('gc_collections')}")
         return record
 
     def reference(self) -> None:
