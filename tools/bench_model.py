@@ -47,13 +47,12 @@ options for the whole process. Each row: median ms over `--steps` timed calls (e
 number of calls queued back to back ("piped ms": a sampling loop's rate), the GPU's clock, power, temperature and
 throttle reasons after them (`gpu_after`, from nvidia-smi), Python's garbage collections during them by generation
 (`gc_collections`: a full one can stall the host for tens of ms), and its output's cosine against the host eager
-output.
-Rows that would not finish within `--budget-s` (estimated from the host's step time) are skipped. The JSON is
-rewritten after every row; the tables come last, with the never-slower checks (`checks` in the
-JSON): each profile's attached eager row against the host eager, its attached compiled row against the host
-compiled (and its ratio to the peer where that ran), "ok" at 1.0x or more, else "SLOWER than the host"; an eager row
-of a plan gated compiled is "not held" (that plan is the compiling user's); a check says which of its rows are
-noisy (their steps spread by more than 10% of the median).
+output. Rows that would not finish within `--budget-s` (estimated from the host's step time) are skipped. The JSON
+is rewritten after every row; the tables come last, with the never-slower checks (`checks` in the JSON): each
+profile's attached eager row against the host eager, its attached compiled row against the host compiled (and its
+ratio to the peer where that ran), "ok" at 1.0x or more, else "SLOWER than the host"; an eager row of a plan gated
+compiled is "not held" (that plan is the compiling user's); a check says which of its rows are noisy (their steps
+spread by more than 10% of the median).
 
     python tools/bench_model.py --model wan480 [--profiles default,int8_balance_sage,fp8_balance_proj]
         [--rows host_eager,host_compiled,attached_eager,attached_compiled,peer_compiled] [--steps 3] [--warmup 1]
@@ -688,7 +687,11 @@ class Bench:
 
     def peer_estimate_s(self) -> float:
         """The build again, and a compile guessed at twice the host's (torchao's inductor options tune longer)."""
-        return self.build_s + 2 * self.budget.compile_s + self.args.steps * self.budget.step_s
+        return self.build_s + 2 * self.budget.compile_s + self.steps_s()
+
+    def steps_s(self) -> float:
+        """A row's timed calls: `--steps` synchronised ones, then as many queued back to back (`time_steps`)."""
+        return 2 * self.args.steps * self.budget.step_s
 
     def peer_compiled(self, record: dict[str, Any]) -> None:
         """The torchao FP8 rowwise peer of a fresh copy of the host's weights, under the same regional compile; the
@@ -720,9 +723,9 @@ class Bench:
         if plan is None:
             return
         if "attached_eager" in args.rows:
-            self.run_row("attached_eager", profile, (args.warmup + args.steps) * budget.step_s, self.attached_eager)
+            self.run_row("attached_eager", profile, args.warmup * budget.step_s + self.steps_s(), self.attached_eager)
         if "attached_compiled" in args.rows:
-            self.run_row("attached_compiled", profile, budget.compile_s + args.steps * budget.step_s,
+            self.run_row("attached_compiled", profile, budget.compile_s + self.steps_s(),
                          self.attached_compiled, None if self.compile_ok else "the model did not compile")
         prof["plan"] = plan.to_dict()
         prof["routed_calls"] = sum(plan.routed.values())
@@ -835,11 +838,11 @@ def main(argv: list[str] | None = None) -> int:
 
     bench.reference()
     if "host_eager" in args.rows:
-        bench.run_row("host_eager", None, args.steps * budget.step_s, bench.host_eager)
+        bench.run_row("host_eager", None, bench.steps_s(), bench.host_eager)
     if {"host_compiled", "attached_compiled"} & set(args.rows):
         bench.compile()
         if "host_compiled" in args.rows:
-            bench.run_row("host_compiled", None, budget.compile_s + args.steps * budget.step_s, bench.host_compiled,
+            bench.run_row("host_compiled", None, budget.compile_s + bench.steps_s(), bench.host_compiled,
                           None if bench.compile_ok else "the model did not compile")
     for profile in args.profiles:
         bench.profile(profile)
