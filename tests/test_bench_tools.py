@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 
 import bench_drift  # noqa: E402
 import bench_model  # noqa: E402
+import step_trace  # noqa: E402
 
 
 @pytest.fixture
@@ -37,10 +38,12 @@ def test_bench_model_image_hosts(model, tmp_path, fresh_clock):
     out = tmp_path / "bench.json"
     assert bench_model.main(["--model", model, "--tiny", "--device", "cpu", "--steps", "1", "--warmup", "0",
                              "--profiles", "default", "--rows", "host_eager,attached_eager,peer_compiled",
-                             "--budget-s", "120", "--attach-estimate-s", "5", "--json", str(out)]) == 0
+                             "--budget-s", "120", "--attach-estimate-s", "5", "--trace", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["finished"] and data["host"]["outputs_finite"]
     assert data["model"]["token_kind"] == "image" and data["model"]["layers"] == 2
+    assert data["args"]["trace"] and all(r.get("trace", "absent") is None for r in data["rows"]
+                                         if r["status"] == "ok")  # traced on CUDA only
     rows = {r["row"]: r for r in data["rows"]}
     assert set(rows) == {"host eager", "attached eager", "peer compiled"}
     for name in ("host eager", "attached eager"):
@@ -147,3 +150,17 @@ def test_bench_tirex2_tiny_times_the_host_again_at_every_scope(tmp_path, monkeyp
     assert case["detach_exact"] and "int8_rowwise" in case["plan"]["speedups"]
     assert any(k.startswith("bound:int8_rowwise") for k in case["plan"]["outcomes"])
     assert "again = the dense host timed after detach" in capsys.readouterr().out
+
+
+def test_step_trace_counts_overlapping_device_work_once_and_the_gaps_as_idle():
+    events = [{"cat": "kernel", "name": "gemm", "ts": 0, "dur": 400},
+              {"cat": "kernel", "name": "attn", "ts": 300, "dur": 300},  # overlaps gemm by 100 us
+              {"cat": "gpu_memcpy", "name": "copy", "ts": 1000, "dur": 200},  # after a 400 us gap
+              {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5000},  # host work is not the device's
+              {"cat": "kernel", "name": "gemm", "ts": 1500, "dur": 500}]
+    t = step_trace.summarise(events, top=2)
+    assert t is not None and t.launches == 4
+    assert t.kernel_ms == pytest.approx(1.4) and t.busy_ms == pytest.approx(1.3)
+    assert t.span_ms == pytest.approx(2.0) and t.idle_ms == pytest.approx(0.7)
+    assert t.top == (("gemm", pytest.approx(0.9), 2), ("attn", pytest.approx(0.3), 1))
+    assert step_trace.summarise([{"cat": "cpu_op", "name": "x", "ts": 0, "dur": 1}]) is None

@@ -46,17 +46,18 @@ else skipped with the reason. It runs last because torchao sets its recommended 
 options for the whole process. Each row: median ms over `--steps` timed calls (each synchronised), the same
 number of calls queued back to back ("piped ms": a sampling loop's rate), the GPU's clock, power, temperature and
 throttle reasons after them (`gpu_after`, from nvidia-smi), Python's garbage collections during them by generation
-(`gc_collections`: a full one can stall the host for tens of ms), and its output's cosine against the host eager
-output. Rows that would not finish within `--budget-s` (estimated from the host's step time) are skipped. The JSON
-is rewritten after every row; the tables come last, with the never-slower checks (`checks` in the JSON): each
-profile's attached eager row against the host eager, its attached compiled row against the host compiled (and its
-ratio to the peer where that ran), "ok" at 1.0x or more, else "SLOWER than the host"; an eager row of a plan gated
-compiled is "not held" (that plan is the compiling user's); a check says which of its rows are noisy (their steps
-spread by more than 10% of the median).
+(`gc_collections`: a full one can stall the host for tens of ms), its output's cosine against the host eager
+output, and with `--trace` one more call under torch.profiler (`trace`: the GPU's busy and idle ms within the step,
+its top kernels; tools/step_trace.py). Rows that would not finish within `--budget-s` (estimated from the host's
+step time) are skipped. The JSON is rewritten after every row; the tables come last, with the never-slower checks
+(`checks` in the JSON): each profile's attached eager row against the host eager, its attached compiled row against
+the host compiled (and its ratio to the peer where that ran), "ok" at 1.0x or more, else "SLOWER than the host"; an
+eager row of a plan gated compiled is "not held" (that plan is the compiling user's); a check says which of its rows
+are noisy (their steps spread by more than 10% of the median).
 
     python tools/bench_model.py --model wan480 [--profiles default,int8_balance_sage,fp8_balance_proj]
         [--rows host_eager,host_compiled,attached_eager,attached_compiled,peer_compiled] [--steps 3] [--warmup 1]
-        [--budget-s 540] [--gate-compiled auto|on|off] [--json bench_model_wan480.json]
+        [--budget-s 540] [--gate-compiled auto|on|off] [--trace] [--json bench_model_wan480.json]
     python tools/bench_model.py --model ltx2 --tiny --device cpu --steps 1   # smoke test: 2 layers, tiny dims
 """
 
@@ -85,10 +86,12 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from flash_catalog import Plan, attach, detach  # noqa: E402
 from flash_catalog.capture.stance import user_compiled  # noqa: E402
 from flash_catalog.plan.environment import environment  # noqa: E402
+from step_trace import trace_call  # noqa: E402
 
 ROWS = ("host_eager", "host_compiled", "attached_eager", "attached_compiled", "peer_compiled")
 DTYPE = torch.bfloat16
@@ -471,7 +474,7 @@ def guarded(report: Report, record: dict[str, Any], what: str, body: Callable[[]
 
 
 def time_steps(model: nn.Module, inputs: dict[str, Any], device: torch.device, warmup: int, steps: int,
-               record: dict[str, Any]) -> Outputs:
+               record: dict[str, Any], trace: bool = False) -> Outputs:
     out: Outputs = ()
     for _ in range(warmup):
         call(model, inputs, device)
@@ -486,6 +489,9 @@ def time_steps(model: nn.Module, inputs: dict[str, Any], device: torch.device, w
     record["pipelined_ms"] = pipelined_ms(model, inputs, device, steps)
     record["gpu_after"] = gpu_state(device)
     record["gc_collections"] = [g["collections"] - c for g, c in zip(gc.get_stats(), collections)]
+    if trace:
+        traced = trace_call(lambda: call(model, inputs, device), device)
+        record["trace"] = traced.to_dict() if traced is not None else None
     return out
 
 
@@ -568,6 +574,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gate-compiled", choices=("auto", "on", "off"), default="auto",
                    help="attach's gate_compiled: auto (None: compiled when host_compiled compiled the model first), "
                         "on (True), off (False: feed-forward sites gated eager)")
+    p.add_argument("--trace", action="store_true",
+                   help="after each row's steps, one more call under torch.profiler: the GPU's busy and idle ms "
+                        "within the step and its top kernels (tools/step_trace.py; CUDA only)")
     p.add_argument("--reattach", action="store_true",
                    help="after each profile's detach, attach it once more from the first attach's receipt "
                         "(plan=, as a saved plan is reused: no paired timing, accuracy gated at every site), "
@@ -613,7 +622,8 @@ class Bench:
         return call(model or self.model, self.inputs, self.device)
 
     def steps(self, record: dict[str, Any], warmup: int = 0, model: nn.Module | None = None) -> Outputs:
-        return time_steps(model or self.model, self.inputs, self.device, warmup, self.args.steps, record)
+        return time_steps(model or self.model, self.inputs, self.device, warmup, self.args.steps, record,
+                          self.args.trace)
 
     def compare(self, record: dict[str, Any], out: Outputs) -> None:
         record["cos_vs_host_eager"] = cosine(out, self.ref)
@@ -964,7 +974,14 @@ def print_tables(data: dict[str, Any]) -> None:
         ("compile s", "9.1f", lambda r: r.get("compile_s")),
         ("x eager", "7.3f", lambda r: r.get("x_host_eager")), ("x comp.", "7.3f", lambda r: r.get("x_host_compiled")),
         ("cos vs eager", "12.7f", lambda r: r.get("cos_vs_host_eager")),
+        ("GPU busy", "8.1f", lambda r: (r.get("trace") or {}).get("busy_ms")),
+        ("GPU idle", "8.1f", lambda r: (r.get("trace") or {}).get("idle_ms")),
         ("steps ms", "s", lambda r: " ".join(f"{t:.0f}" for t in r.get("steps_ms", [])))])
+    for r in data["rows"]:
+        if r.get("trace"):
+            t = r["trace"]
+            print(f"trace: {r['row']} ({r['profile'] or '-'}): {t['launches']} launches, busy {t['busy_ms']:.1f} ms, "
+                  f"idle {t['idle_ms']:.1f} ms; top: " + "; ".join(f"{n} {ms:.1f} ms x{c}" for n, ms, c in t["top"]))
     for c in data.get("checks", []):
         peer = f", {c['x_peer']:.3f}x the peer" if "x_peer" in c else ""
         verdict = ("not held: the plan was gated compiled (for eager, leave host_compiled out or pass "
