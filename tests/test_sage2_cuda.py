@@ -388,3 +388,40 @@ def test_an_output_with_the_heads_inside_holds_the_contiguous_output_s_values(b,
     out, lse = sage2_cuda.sage2_cuda_attention(q, k, v, pv=pv, out_layout="bshd", return_lse=True)
     out_whole, lse_whole = sage2_cuda.sage2_cuda_attention(q, k, v, pv=pv, return_lse=True)
     assert out.transpose(1, 2).is_contiguous() and torch.equal(out, out_whole) and torch.equal(lse, lse_whole)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("pv", ["fp8", "fp16"])
+def test_a_pooled_call_is_prepared_once_per_layout_and_gives_a_fresh_call_s_bits(pv):
+    """With a pool, a call's checks and launch plan are made once per shapes, strides, dtypes, alignments and options
+    and kept: calls with new values at a kept layout (their staging launched past Triton's JIT) give what an unpooled
+    call gives, bit for bit (log-sum-exp too), another layout or a misaligned query gets a plan of its own, and a bad
+    argument is still refused by name, nothing kept."""
+    from flash_catalog.kernels.staging import StagingPool
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    pool = StagingPool()
+    shape = (1, 6, 1500, 64)
+    for _ in range(2):
+        q, k, v = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+        assert torch.equal(sage2_cuda.sage2_cuda_attention(q, k, v, pv=pv, staging=pool),
+                           sage2_cuda.sage2_cuda_attention(q, k, v, pv=pv))
+    assert len(pool._prepared) == 1
+    out, lse = sage2_cuda.sage2_cuda_attention(q, k, v, pv=pv, staging=pool, return_lse=True)
+    fresh_out, fresh_lse = sage2_cuda.sage2_cuda_attention(q, k, v, pv=pv, return_lse=True)
+    assert torch.equal(out, fresh_out) and torch.equal(lse, fresh_lse)
+    q_inside = q.transpose(1, 2).contiguous().transpose(1, 2)  # same shape, heads inside: other strides
+    assert torch.equal(sage2_cuda.sage2_cuda_attention(q_inside, k, v, pv=pv, staging=pool),
+                       sage2_cuda.sage2_cuda_attention(q, k, v, pv=pv))
+    assert len(pool._prepared) == 3
+    base = torch.randn(q.numel() + 1, device="cuda", dtype=torch.bfloat16, generator=g)
+    q_off = base[1:].view(shape)  # 2 bytes off: the Triton kernels' pointer specialisation differs
+    assert torch.equal(sage2_cuda.sage2_cuda_attention(q_off, k, v, pv=pv, staging=pool),
+                       sage2_cuda.sage2_cuda_attention(q_off.clone(), k, v, pv=pv))
+    assert len(pool._prepared) == 4
+    with pytest.raises(ValueError, match="scale is -1.0"):
+        sage2_cuda.sage2_cuda_attention(q, k, v, pv=pv, staging=pool, scale=-1.0)
+    with pytest.raises(ValueError, match=r"scale is \[1.0\]"):
+        sage2_cuda.sage2_cuda_attention(q, k, v, pv=pv, staging=pool, scale=[1.0])
+    assert len(pool._prepared) == 4

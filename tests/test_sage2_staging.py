@@ -66,6 +66,21 @@ def test_pool_hands_out_one_buffer_per_key_and_releases():
     assert fresh.shape == (2, 3) and len(pool) == 0
 
 
+def test_pool_keeps_a_prepared_call_until_its_buffers_change():
+    pool, cpu, made = StagingPool(), torch.device("cpu"), []
+
+    def make():
+        made.append(pool.get("q8", (2, 3), torch.int8, cpu, "fp8"))
+        return len(made)
+
+    assert pool.prepared("a", make, cpu) == 1 and pool.prepared("a", make, cpu) == 1
+    assert pool.prepared("b", make, cpu) == 2 and made[0] is made[1]  # one key each, the pool's buffers
+    pool.keep_only([])  # the buffers change: every prepared call is forgotten
+    assert pool.prepared("a", make, cpu) == 3 and made[2] is not made[0]
+    pool.release()  # fresh buffers from now on, so nothing made is kept
+    assert pool.prepared("a", make, cpu) == 4 and pool.prepared("a", make, cpu) == 5
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("pv", ["fp8", "fp16"])
 def test_pooled_kernel_is_bit_identical_and_never_returns_pool_memory(pv):

@@ -10,18 +10,25 @@ import torch
 
 from ..capture.calls import AttentionCall
 from ..capture.layout import output_layout
-from ..kernels.sage2.cuda_kernel import cuda_refusal, staging_keys
+from ..kernels.sage2.cuda_kernel import cuda_refusal, sage2_cuda_attention, staging_keys
 from ..kernels.sage2.op import sage2_cuda_attention_lse_op, sage2_cuda_attention_op
+from ..kernels.staging import pool_for
 from .base import AttentionForm, Runner
 from .sage2 import shape_rule, staged_runner
 
 
 def run_cuda(pv: str, staging: str, call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The CUDA op's call (with the log-sum-exp where the call needs it), its output's heads where the host keeps
-    them (`output_layout`), so that the host's merge of the heads is a view. An all-pass mask is dropped."""
+    them (`output_layout`), so that the host's merge of the heads is a view. An all-pass mask is dropped. On plain
+    tensors, run (eager, or inside the route's op), the op's body without a second dispatch; traced, or on a
+    tensor subclass (a fake tensor: the op's fake serves it), the op."""
+    layout = output_layout(call.layout, call.query)
+    if type(call.query) is torch.Tensor and not torch.compiler.is_compiling():
+        return sage2_cuda_attention(call.query, call.key, call.value, scale=call.scale, pv=pv,
+                                    is_causal=call.is_causal, staging=pool_for(staging), return_lse=call.return_lse,
+                                    out_layout=layout)
     op = sage2_cuda_attention_lse_op if call.return_lse else sage2_cuda_attention_op
-    return op(call.query, call.key, call.value, call.scale, pv, call.is_causal, staging,
-              output_layout(call.layout, call.query))
+    return op(call.query, call.key, call.value, call.scale, pv, call.is_causal, staging, layout)
 
 
 class _Sage2Cuda(AttentionForm):

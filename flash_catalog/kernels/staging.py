@@ -4,6 +4,10 @@ A pool belongs to one attach: the binder creates it, the forms' runners draw fro
 Sites that run sequentially on one stream share its buffers, since nothing in a staging buffer survives the call
 that wrote it. A kernel call made without a pool allocates fresh buffers, as before.
 
+A pool also keeps what a kernel works out from a call's shapes and options once (`prepared`: its buffers, grids and
+launch arguments), so that a site called again with the same shapes pays only its launches; that is forgotten
+whenever the buffers change.
+
 Custom ops take no Python objects, so a runner passes its pool to `flash_catalog::sage2_attention` by `handle`
 and the op looks it up here (`pool_for`). The lookup table holds weak references and a released pool leaves it,
 so it keeps no memory alive; a handle that names no live pool means fresh buffers.
@@ -14,12 +18,13 @@ from __future__ import annotations
 import itertools
 import weakref
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Hashable, Iterable, TypeVar
 
 import torch
 
 _HANDLES = itertools.count(1)
 _LIVE: weakref.WeakValueDictionary[str, StagingPool] = weakref.WeakValueDictionary()
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,7 @@ class StagingPool:
     handle: str = field(default_factory=_next_handle)
     released: bool = False
     _buffers: dict[StagingKey, torch.Tensor] = field(default_factory=dict, repr=False)
+    _prepared: dict[Hashable, object] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         _LIVE[self.handle] = self
@@ -72,9 +78,23 @@ class StagingPool:
             self._buffers[key] = buf
         return buf
 
+    def prepared(self, key: Hashable, make: Callable[[], T], device: torch.device) -> T:
+        """What `make()` works out for a call (drawing this pool's buffers on `device`), made on the first call with
+        `key` and kept for the next ones. Not kept once released or while a CUDA graph captures on `device`: the
+        buffers drawn then are not the pool's."""
+        found = self._prepared.get(key)
+        if found is not None:
+            return found  # type: ignore[return-value]
+        made = make()
+        if not self.released and not _capturing(device):
+            self._prepared[key] = made
+        return made
+
     def keep_only(self, keys: Iterable[StagingKey]) -> None:
-        """Hold exactly `keys`: drop every other buffer and allocate the missing ones (the attach's bound set)."""
+        """Hold exactly `keys`: drop every other buffer and allocate the missing ones (the attach's bound set);
+        what was `prepared` with the old buffers is forgotten."""
         wanted = set(keys)
+        self._prepared = {}
         self._buffers = {k: b for k, b in self._buffers.items() if k in wanted}
         if self.released:
             return
@@ -94,6 +114,7 @@ class StagingPool:
     def release(self) -> None:
         """Free every buffer and stop pooling: later `get` calls return fresh memory that the pool does not keep."""
         self._buffers = {}
+        self._prepared = {}
         self.released = True
         if _LIVE.get(self.handle) is self:
             del _LIVE[self.handle]

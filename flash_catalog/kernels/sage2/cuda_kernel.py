@@ -10,6 +10,7 @@ registers. sm_90 only; D 64 or 128; GQA, causal and any lengths.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import heapq
@@ -21,8 +22,8 @@ from typing import Callable
 import torch
 
 from ..cuda_build import CudaBuild, arch_refusal, load_library
-from .quant import (Sage2Staged, add_key_mean, empty_result, quantize_qkv, refuse_grad, staging_keys_of,
-                    validate_inputs)
+from .quant import (Sage2Staged, StagingPlan, add_key_mean, empty_result, refuse_grad, staging_keys_of,
+                    staging_plan, validate_inputs)
 from ..staging import StagingKey, StagingPool
 
 SOURCE = Path(__file__).with_name("cuda") / "sage2_sm90.cu"
@@ -176,16 +177,8 @@ def new_output(shape: tuple[int, int, int, int], dtype: torch.dtype, device: tor
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def sage2_cuda_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, is_causal: bool = False,
-                      lse: torch.Tensor | None = None, split: bool = True,
-                      staging: StagingPool | None = None, out_layout: str = "bhsd") -> torch.Tensor:
-    """Run the CUDA kernel on `quantize_qkv(..., block_m=64, block_n=128)` staging, made with `v_mma_order=True` for
-    pv="fp8" or `v_fp16=True` for pv="fp16"; returns a new (B, Hq, Sq, D) tensor in `out_dtype` (fp16 or bf16).
-    `lse` ((B, Hq, Sq) float32, contiguous, on the staging's device): the kernel also writes each row's natural
-    log-sum-exp of the scores it saw, those of K less its token mean (`sage2_cuda_attention(return_lse=True)` adds
-    the rest back). `split`: run the last wave's tiles in parts where `split_plan` says that is faster (their
-    scratch from `staging`, or fresh); False runs every tile whole. `out_layout`: "bshd" returns a (B, S, H, D)-
-    contiguous view (`new_output`)."""
+def _check_staging(staged: Sage2Staged) -> None:
+    """Raise ValueError where `staged` is not staging the CUDA kernel reads (its tiles, V's form, dense buffers)."""
     if staged.pv not in ("fp8", "fp16") or (staged.block_m, staged.block_n) != STAGING_TILES:
         raise ValueError(f"the CUDA kernel needs pv='fp8' or 'fp16' staging with tiles {STAGING_TILES}; got pv="
                          f"{staged.pv!r}, tiles ({staged.block_m}, {staged.block_n})")
@@ -199,13 +192,76 @@ def sage2_cuda_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, is_causal:
     if strided:
         raise ValueError(f"the CUDA kernel reads its staging dense; {', '.join(strided)} not contiguous: pass "
                          f"`.contiguous()` copies (quantize_qkv's own staging is)")
-    if out_dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"out_dtype is {out_dtype}; allowed: torch.float16, torch.bfloat16")
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """The kernel's launch for one staging and output layout, but for the output's and log-sum-exp's pointers and
+    the stream: the arguments of `fc_sage2_sm90` before them (`head`) and after (`tail`), and the tensors they
+    point into (`holds`: the split's scratch, which nothing else may keep alive)."""
+
+    library: ctypes.CDLL
+    device: torch.device
+    head: tuple[int | None, ...]
+    tail: tuple[int | None, ...]
+    holds: tuple[torch.Tensor, ...]
+
+    def __call__(self, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+        """Launch on the current device, which must be the tensors' (`on_device`)."""
+        launcher(self.library)(*self.head, out.data_ptr(), lse.data_ptr() if lse is not None else None, *self.tail,
+                               torch.cuda.current_stream(self.device).cuda_stream)
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """The library's own (static) CUDA runtime and the Triton launches past the JIT run in the thread's current
+    context: make it the tensors' device, which torch's kernels do not need (they guard the device themselves), e.g.
+    for a rank's model on cuda:1. No context manager where it already is."""
+    if torch.cuda.current_device() == device.index:
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
+def kernel_launch(staged: Sage2Staged, out_dtype: torch.dtype, out_strides: tuple[int, ...], is_causal: bool,
+                  split: bool, staging: StagingPool | None) -> KernelLaunch:
+    """The `KernelLaunch` of the kernel on `staged` (checked by `_check_staging`) writing a (B, Hq, Sq, D) output of
+    `out_strides`: its split plan, with the split's scratch from `staging` (or fresh)."""
     built = build()
     if built.library is None:
         raise RuntimeError(f"the sage2 CUDA kernel is unavailable: {built.detail}")
     bsz, hq, sq_pad, d = staged.q8.shape
     hkv, skv_pad = staged.k8.shape[1], staged.k8.shape[2]
+    device = staged.q8.device
+    plan = plan_for((bsz, hq, staged.seq_q, d), staged.seq_kv, is_causal, device)
+    if not split or not plan.splits:
+        plan = SplitPlan(plan.tiles, plan.tiles, 1)
+    part_o, part_lse = _split_scratch(plan, d, device, staging) if plan.splits else (None, None)
+    v_scale = staged.v_scale.data_ptr() if staged.v_scale is not None else None  # pv="fp8" always carries it
+    head = (staged.q8.data_ptr(), staged.k8.data_ptr(), staged.v.data_ptr(), staged.q_scale.data_ptr(),
+            staged.k_scale.data_ptr(), v_scale)
+    tail = (int(out_dtype == torch.bfloat16), bsz, hq, hkv, staged.seq_q, sq_pad, staged.seq_kv, skv_pad, d,
+            *out_strides[:3], int(is_causal), int(staged.pv == "fp16"), plan.whole, plan.parts,
+            part_o.data_ptr() if part_o is not None else None, part_lse.data_ptr() if part_lse is not None else None)
+    holds = tuple(t for t in (part_o, part_lse) if t is not None)
+    return KernelLaunch(built.library, device, head, tail, holds)
+
+
+def sage2_cuda_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, is_causal: bool = False,
+                      lse: torch.Tensor | None = None, split: bool = True,
+                      staging: StagingPool | None = None, out_layout: str = "bhsd") -> torch.Tensor:
+    """Run the CUDA kernel on `quantize_qkv(..., block_m=64, block_n=128)` staging, made with `v_mma_order=True` for
+    pv="fp8" or `v_fp16=True` for pv="fp16"; returns a new (B, Hq, Sq, D) tensor in `out_dtype` (fp16 or bf16).
+    `lse` ((B, Hq, Sq) float32, contiguous, on the staging's device): the kernel also writes each row's natural
+    log-sum-exp of the scores it saw, those of K less its token mean (`sage2_cuda_attention(return_lse=True)` adds
+    the rest back). `split`: run the last wave's tiles in parts where `split_plan` says that is faster (their
+    scratch from `staging`, or fresh); False runs every tile whole. `out_layout`: "bshd" returns a (B, S, H, D)-
+    contiguous view (`new_output`)."""
+    _check_staging(staged)
+    if out_dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"out_dtype is {out_dtype}; allowed: torch.float16, torch.bfloat16")
+    built = build()
+    if built.library is None:
+        raise RuntimeError(f"the sage2 CUDA kernel is unavailable: {built.detail}")
+    bsz, hq, _, d = staged.q8.shape
     out = new_output((bsz, hq, staged.seq_q, d), out_dtype, staged.q8.device, out_layout)
     if lse is not None and (lse.shape != out.shape[:-1] or lse.dtype != torch.float32 or not lse.is_contiguous()
                             or lse.device != out.device):
@@ -213,24 +269,55 @@ def sage2_cuda_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, is_causal:
                          f"{tuple(out.shape[:-1])} torch.float32 tensor on {out.device}")
     if out.numel() == 0:
         return out
-    fp16 = staged.pv == "fp16"
-    v_scale = staged.v_scale.data_ptr() if staged.v_scale is not None else None  # pv="fp8" always carries it
-    plan = plan_for(tuple(out.shape), staged.seq_kv, is_causal, out.device)
-    if not split or not plan.splits:
-        plan = SplitPlan(plan.tiles, plan.tiles, 1)
-    part_o, part_lse = _split_scratch(plan, d, out.device, staging) if plan.splits else (None, None)
-    # the library's own (static) CUDA runtime launches in the thread's current context: make it the tensors' device,
-    # which torch's kernels do not (they guard the device themselves), e.g. for a rank's model on cuda:1
-    with torch.cuda.device(out.device):
-        launcher(built.library)(
-            staged.q8.data_ptr(), staged.k8.data_ptr(), staged.v.data_ptr(), staged.q_scale.data_ptr(),
-            staged.k_scale.data_ptr(), v_scale, out.data_ptr(),
-            lse.data_ptr() if lse is not None else None, int(out_dtype == torch.bfloat16),
-            bsz, hq, hkv, staged.seq_q, sq_pad, staged.seq_kv, skv_pad, d,
-            out.stride(0), out.stride(1), out.stride(2), int(is_causal), int(fp16), plan.whole, plan.parts,
-            part_o.data_ptr() if part_o is not None else None, part_lse.data_ptr() if part_lse is not None else None,
-            torch.cuda.current_stream(out.device).cuda_stream)
+    with on_device(out.device):
+        kernel_launch(staged, out_dtype, out.stride(), is_causal, split, staging)(out, lse)
     return out
+
+
+@dataclass(frozen=True)
+class CudaAttention:
+    """`sage2_cuda_attention` for one call's shapes, strides, dtypes and options, checked and worked out once: the
+    staging's plan, the kernel's launch. Called with tensors like those it was made for, it pays only the launches
+    and the output's allocation (a site's repeated calls, through `StagingPool.prepared`)."""
+
+    staging: StagingPlan | None  # None: no query rows, no kernel runs
+    launch: KernelLaunch | None
+    out_shape: tuple[int, int, int, int]
+    out_layout: str
+    return_lse: bool
+    sm_scale: float
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        out = new_output(self.out_shape, q.dtype, q.device, self.out_layout)
+        if self.staging is None or self.launch is None:
+            return empty_result(q, self.return_lse, out)
+        lse = torch.empty(self.out_shape[:-1], dtype=torch.float32, device=q.device) if self.return_lse else None
+        with on_device(q.device):
+            staged = self.staging.run(q, k, v)
+            self.launch(out, lse)
+        return out if lse is None else (out, add_key_mean(lse, q, staged, self.sm_scale))
+
+
+def prepare_cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+                           pv: str = "fp8", is_causal: bool = False, staging: StagingPool | None = None,
+                           return_lse: bool = False, out_layout: str = "bhsd") -> CudaAttention:
+    """The `CudaAttention` of `sage2_cuda_attention(q, k, v, ...)` (the same arguments, checked here)."""
+    validate_inputs(q, k, v, pv=pv, scale=scale, is_causal=is_causal)
+    why = cuda_refusal(q, pv)
+    if why is not None:
+        raise ValueError(f"the sage2 CUDA kernel cannot serve this call: {why}")
+    b, h, sq, d = q.shape
+    out_shape = (b, h, sq, v.shape[-1])
+    sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
+    new_output(out_shape, q.dtype, q.device, out_layout)  # checks out_layout
+    if q.shape[:-1].numel() == 0:
+        return CudaAttention(None, None, out_shape, out_layout, return_lse, sm_scale)
+    plan = staging_plan(q, k, v, sm_scale=sm_scale, pv=pv, block_m=STAGING_TILES[0], block_n=STAGING_TILES[1],
+                        validate=False, staging=staging, **staging_options(pv))
+    strides = new_output(out_shape, q.dtype, torch.device("meta"), out_layout).stride()
+    launch = kernel_launch(plan.staged(v), q.dtype, strides, is_causal, True, staging)
+    return CudaAttention(plan, launch, out_shape, out_layout, return_lse, sm_scale)
 
 
 def sage2_cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
@@ -241,22 +328,22 @@ def sage2_cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
     arguments and guarantees of `sage2_attention` (pv="fp8" or "fp16"; forward only, inputs never written, a new
     output, contiguous, or (B, S, H, D)-contiguous for out_layout="bshd"). `return_lse`: also each row's natural
     log-sum-exp of the scaled scores, (B, H, Sq) float32, as ring attention merges partial results with. Raises
-    ValueError naming the reason where `cuda_refusal` finds one."""
-    validate_inputs(q, k, v, pv=pv, scale=scale, is_causal=is_causal)
+    ValueError naming the reason where `cuda_refusal` finds one. With `staging`, the call's checks and plan
+    (`prepare_cuda_attention`) are made once per shapes, strides, dtypes, 16-byte alignments and options, and kept
+    by the pool."""
     refuse_grad("sage2_cuda_attention", q, k, v)
-    why = cuda_refusal(q, pv)
-    if why is not None:
-        raise ValueError(f"the sage2 CUDA kernel cannot serve this call: {why}")
-    if q.shape[:-1].numel() == 0:
-        b, h, sq, d = q.shape
-        return empty_result(q, return_lse, new_output((b, h, sq, d), q.dtype, q.device, out_layout))
-    sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    staged = quantize_qkv(q, k, v, sm_scale=sm_scale, pv=pv, block_m=STAGING_TILES[0], block_n=STAGING_TILES[1],
-                          validate=False, staging=staging, **staging_options(pv))
-    if not return_lse:
-        return sage2_cuda_staged(staged, out_dtype=q.dtype, is_causal=is_causal, staging=staging,
-                                 out_layout=out_layout)
-    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    out = sage2_cuda_staged(staged, out_dtype=q.dtype, is_causal=is_causal, lse=lse, staging=staging,
-                            out_layout=out_layout)
-    return out, add_key_mean(lse, q, staged, sm_scale)
+
+    def make() -> CudaAttention:
+        return prepare_cuda_attention(q, k, v, scale=scale, pv=pv, is_causal=is_causal, staging=staging,
+                                      return_lse=return_lse, out_layout=out_layout)
+
+    if staging is None:
+        return make()(q, k, v)
+    key = ("sage2_cuda", *(part for t in (q, k, v)
+                           for part in (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)),
+           scale, pv, is_causal, return_lse, out_layout)
+    try:
+        hash(key)
+    except TypeError:  # an argument no call could take: the checks name it
+        return make()(q, k, v)
+    return staging.prepared(key, make, q.device)(q, k, v)

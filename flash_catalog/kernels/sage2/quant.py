@@ -13,6 +13,7 @@ import triton.language as tl
 from ..interpreter import interpreted
 from ..magic import MAGIC_FLOAT
 from ..staging import StagingKey, StagingPool
+from ..triton_launch import RepeatLaunch
 
 LOG2E = 1.0 / math.log(2.0)
 # In the kernels: INT8 range 127, FP8 e4m3 range 448, and 1e-30 as the floor of a block's or channel's max|x|
@@ -413,6 +414,60 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale:
     variant `pv`: the result is valid only until the pool's next use, so consume it and drop it. `v_fp16`
     (pv="fp16"): stage V as a zero-padded fp16 copy (the Gluon kernel's layout) instead of passing it through.
     `v_mma_order` (pv="fp8"): store V^T's tokens in the CUDA kernel's FP8 MMA order (permuted within every 32)."""
+    return staging_plan(q, k, v, sm_scale=sm_scale, pv=pv, block_m=block_m, block_n=block_n, num_warps=num_warps,
+                        validate=validate, staging=staging, v_fp16=v_fp16, v_mma_order=v_mma_order).run(q, k, v)
+
+
+@dataclass(frozen=True)
+class StagingPlan:
+    """`quantize_qkv` for one call's shapes, strides, dtypes and options, worked out once: the buffers (drawn when
+    planned: the pool's, or fresh) and the three launches. `run(q, k, v)` stages tensors of those shapes, strides,
+    dtypes and 16-byte alignments; a plan kept between calls (`StagingPool.prepared`) saves their host time, its
+    launches past the first skipping the JIT (`RepeatLaunch`)."""
+
+    buffers: dict[str, torch.Tensor]
+    stats: RepeatLaunch  # K, V, KSUM, VMAX, Q, Q8, QS
+    finalize: RepeatLaunch  # KSUM, VMAX, KMEAN, VSCALE, VINV
+    quant_kv: RepeatLaunch  # K, KMEAN, K8, KS, V, V16, VINV, VT8
+    pv: str
+    block_m: int
+    block_n: int
+    seq_q: int
+    seq_kv: int
+    v_fp16: bool
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Sage2Staged:
+        # Three launches. 1) K's and V's chunk statistics (partial sums of K, partial max|V| per channel) and, in
+        #    the same launch, Q: per-tile INT8 with the softmax scale * log2(e) folded into the scale.
+        buf, with_v = self.buffers, self.pv == "fp8"
+        ksum, k_mean, k8 = buf["k_sum_partial"], buf["k_mean"], buf["k8"]
+        vmax = buf["v_amax_partial"] if with_v else ksum
+        self.stats(k, v, ksum, vmax, q, buf["q8"], buf["q_scale"])
+        # 2) The per-head reduction of the partials (deterministic, no atomics): K's mean, V's scale and 1/scale.
+        v_scale, v_inv = (buf["v_scale"], buf["v_inv"]) if with_v else (k_mean, k_mean)
+        self.finalize(ksum, vmax, k_mean, v_scale, v_inv)
+        # 3) K less its token mean (softmax is invariant to it), per-block INT8, with the same tokens of V:
+        #    per-channel FP8 e4m3 staged as V^T (the K-major B operand of the P.V MMA), or with v_fp16 a padded fp16
+        #    copy (fp16 mode otherwise reads V as it is: the Triton kernel).
+        self.quant_kv(k, k_mean, k8, buf["k_scale"], v, buf["v16"] if self.v_fp16 else k8, v_inv,
+                      buf["vt8"] if with_v else k8)
+        return self.staged(v)
+
+    def staged(self, v: torch.Tensor) -> Sage2Staged:
+        """The plan's buffers as the staging a run leaves in them (V passed through where nothing stages it)."""
+        buf = self.buffers
+        v_out, v_scale = ((buf["vt8"], buf["v_scale"]) if self.pv == "fp8" else
+                          (buf["v16"], None) if self.v_fp16 else (v, None))
+        return Sage2Staged(q8=buf["q8"], q_scale=buf["q_scale"], k8=buf["k8"], k_scale=buf["k_scale"], v=v_out,
+                           v_scale=v_scale, k_mean=buf["k_mean"], pv=self.pv, block_m=self.block_m,
+                           block_n=self.block_n, seq_q=self.seq_q, seq_kv=self.seq_kv)
+
+
+def staging_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
+                 pv: str = "fp8", block_m: int = 128, block_n: int = 64, num_warps: int | None = None,
+                 validate: bool = True, staging: StagingPool | None = None, v_fp16: bool = False,
+                 v_mma_order: bool = False) -> StagingPlan:
+    """The `StagingPlan` of `quantize_qkv(q, k, v, ...)` (the same arguments, checked here)."""
     if validate:
         validate_inputs(q, k, v, pv=pv, scale=sm_scale)
     for name, blk in (("block_m", block_m), ("block_n", block_n)):
@@ -434,45 +489,21 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale:
     warps = num_warps if num_warps is not None else (8 if d == 128 else 4)
     exact = interpreter_active()
     with_v = pv == "fp8"
-
-    # Three launches. 1) K's and V's chunk statistics (partial sums of K, partial max|V| per channel) and, in the
-    #    same launch, Q: per-tile INT8 with the softmax scale * log2(e) folded into the scale.
     n_chunks = buf["k_sum_partial"].shape[1]
-    ksum = buf["k_sum_partial"]
-    vmax = buf["v_amax_partial"] if with_v else ksum
-    q8, q_scale = buf["q8"], buf["q_scale"]
     n_stats = n_chunks * bsz * hkv
-    _stats_and_q_kernel[(n_stats + n_qb * bsz * hq,)](
-        k, v, ksum, vmax, q, q8, q_scale, *k.stride(), *v.stride(), *q.stride(), hkv, skv, n_chunks, n_stats,
-        hq, sq, sq_pad, n_qb, float(sm_scale) * LOG2E,
-        CHUNK=stats_chunk(skv, bsz * hkv), SUB=STATS_SUB, HEAD_DIM=d, WITH_V=with_v, BLOCK_M=block_m,
-        num_warps=STAGE1_WARPS)
-
-    # 2) The per-head reduction of the partials (deterministic, no atomics): K's mean, V's scale and 1/scale.
-    k_mean = buf["k_mean"]
-    if with_v:
-        v_scale, v_inv = buf["v_scale"], buf["v_inv"]
-    else:
-        v_scale = v_inv = k_mean
-    _kv_stats_finalize_kernel[(bsz * hkv,)](
-        ksum, vmax, k_mean, v_scale, v_inv, n_chunks, skv,
-        BLOCK_C=16, HEAD_DIM=d, WITH_V=with_v, INTERPRETED=exact, num_warps=4)
-
-    # 3) K less its token mean (softmax is invariant to it), per-block INT8, with the same tokens of V: per-channel
-    #    FP8 e4m3 staged as V^T (the K-major B operand of the P.V MMA), or with v_fp16 a padded fp16 copy (fp16 mode
-    #    otherwise reads V as it is: the Triton kernel).
-    k8, k_scale = buf["k8"], buf["k_scale"]
-    v16 = buf["v16"] if v_fp16 else k8
-    vt8 = buf["vt8"] if with_v else k8
-    _quant_kv_kernel[(n_kb, bsz * hkv)](
-        k, k_mean, k8, k_scale, v, v16, v_inv, vt8, *k.stride(), *v.stride(), hkv, skv, skv_pad, n_kb,
-        BLOCK_N=block_n, HEAD_DIM=d, COPY_V=v_fp16, V_FP8=with_v, INTERPRETED=exact, MMA_ORDER=v_mma_order,
-        num_warps=warps)
-    if with_v:
-        v_out, v_scale_out = vt8, v_scale
-    elif v_fp16:
-        v_out, v_scale_out = v16, None
-    else:
-        v_out, v_scale_out = v, None
-    return Sage2Staged(q8=q8, q_scale=q_scale, k8=k8, k_scale=k_scale, v=v_out, v_scale=v_scale_out, k_mean=k_mean,
-                       pv=pv, block_m=block_m, block_n=block_n, seq_q=sq, seq_kv=skv)
+    return StagingPlan(
+        buffers=buf,
+        stats=RepeatLaunch(
+            _stats_and_q_kernel, (n_stats + n_qb * bsz * hq,),
+            (*k.stride(), *v.stride(), *q.stride(), hkv, skv, n_chunks, n_stats, hq, sq, sq_pad, n_qb,
+             float(sm_scale) * LOG2E),
+            dict(CHUNK=stats_chunk(skv, bsz * hkv), SUB=STATS_SUB, HEAD_DIM=d, WITH_V=with_v, BLOCK_M=block_m,
+                 num_warps=STAGE1_WARPS)),
+        finalize=RepeatLaunch(
+            _kv_stats_finalize_kernel, (bsz * hkv,), (n_chunks, skv),
+            dict(BLOCK_C=16, HEAD_DIM=d, WITH_V=with_v, INTERPRETED=exact, num_warps=4)),
+        quant_kv=RepeatLaunch(
+            _quant_kv_kernel, (n_kb, bsz * hkv), (*k.stride(), *v.stride(), hkv, skv, skv_pad, n_kb),
+            dict(BLOCK_N=block_n, HEAD_DIM=d, COPY_V=v_fp16, V_FP8=with_v, INTERPRETED=exact,
+                 MMA_ORDER=v_mma_order, num_warps=warps)),
+        pv=pv, block_m=block_m, block_n=block_n, seq_q=sq, seq_kv=skv, v_fp16=v_fp16)
