@@ -250,30 +250,30 @@ def resolve(handle: str) -> Route:
     return route
 
 
-@torch.library.custom_op("flash_catalog::attention", mutates_args=())
-def attention_op(route: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 attn_mask: torch.Tensor | None, choice: int) -> torch.Tensor:
-    """A bound attention call (tensors in the host's layout): the route's alternative `choice`, the host (-1), or
-    what the mask check inside picks (-2)."""
+def _serve(route: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
+           choice: int) -> Output:
+    """The ops' body: a bound attention call (tensors in the host's layout), the route's alternative `choice`, the
+    host (-1), or what the mask check inside picks (-2); with the log-sum-exp where the route returns it."""
     return resolve(route).serve_traced(query, key, value, attn_mask, choice)
 
 
-@attention_op.register_fake
-def _(route: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
-      choice: int) -> torch.Tensor:
+def _fake(route: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
+          choice: int) -> Output:
     return resolve(route).empty_output(query, value)
 
 
+# Defined on a Library, not with `torch.library.custom_op`: that decorator's Python autograd and aliasing layers
+# cost tens of microseconds a call on the GPU box's CPU, at every bound site of a compiled step. Neither is needed:
+# only calls without gradients are routed (`host_only_reason`), and every output is fresh.
+_LIB = torch.library.Library("flash_catalog", "FRAGMENT")
+_ARGS = "(str route, Tensor query, Tensor key, Tensor value, Tensor? attn_mask, int choice)"
+for _name, _returns in (("attention", "Tensor"), ("attention_lse", "(Tensor, Tensor)")):
+    _LIB.define(f"{_name}{_ARGS} -> {_returns}")
+    _LIB.impl(_name, _serve, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"flash_catalog::{_name}", _fake, lib=_LIB)
 
-@torch.library.custom_op("flash_catalog::attention_lse", mutates_args=())
-def attention_lse_op(route: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attn_mask: torch.Tensor | None, choice: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A bound call that returns the log-sum-exp too (a ring-attention step): (output, log-sum-exp over the
-    query's leading dims, float32); `choice` as for `attention_op`."""
-    return resolve(route).serve_traced(query, key, value, attn_mask, choice)
-
-
-@attention_lse_op.register_fake
-def _(route: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
-      choice: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return resolve(route).empty_output(query, value)
+attention_op = torch.ops.flash_catalog.attention.default
+"""A bound attention call, one opaque op: `attention_op(route, query, key, value, attn_mask, choice)`."""
+attention_lse_op = torch.ops.flash_catalog.attention_lse.default
+"""A bound call that returns the log-sum-exp too (a ring-attention step): (output, log-sum-exp over the query's
+leading dims, float32)."""
