@@ -66,6 +66,13 @@ def test_pool_hands_out_one_buffer_per_key_and_releases():
     assert fresh.shape == (2, 3) and len(pool) == 0
 
 
+def test_repeat_launches_skip_the_jit_only_where_the_launcher_takes_constexprs():
+    from flash_catalog.kernels.triton_launch import launcher_takes_constexprs
+
+    assert [launcher_takes_constexprs(v) for v in ("3.6.0", "3.3.0+git1a2b", "3.10.1", "4.0.0")] == [True] * 4
+    assert [launcher_takes_constexprs(v) for v in ("3.2.0", "3.1.0", "2.3.1", "nightly")] == [False] * 4
+
+
 def test_pool_keeps_a_prepared_call_until_its_buffers_change():
     pool, cpu, made = StagingPool(), torch.device("cpu"), []
 

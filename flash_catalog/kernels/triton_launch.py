@@ -5,17 +5,26 @@ The JIT's launch binds and specialises every argument on every call (tens of mic
 box's CPU, for a kernel of a few). Where the scalars, the grid and the tensors' dtypes and 16-byte alignment are
 those of the first call, the JIT would pick the same compiled kernel again, so later calls skip it. The caller
 owns that promise: a `RepeatLaunch` belongs to a plan whose key fixes all of them (`StagingPool.prepared`).
-Under Triton's interpreter every call goes through the JIT.
+Under Triton's interpreter, and before Triton 3.3 (whose compiled launchers take the constexpr arguments too, where
+earlier ones take only the others), every call goes through the JIT.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from .interpreter import interpreted
+
+
+def launcher_takes_constexprs(version: str) -> bool:
+    """Whether the compiled launchers of Triton `version` take every argument in the kernel's order, constexprs
+    included (3.3 on), as `RepeatLaunch` passes them."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    return found is not None and (int(found.group(1)), int(found.group(2))) >= (3, 3)
 
 
 @dataclass(eq=False)
@@ -37,6 +46,10 @@ class RepeatLaunch:
             return
         compiled = self.fn[self.grid](*tensors, *self.scalars, **self.meta)
         if interpreted(self.fn) or compiled is None or not hasattr(compiled, "__getitem__"):
+            return
+        import triton
+
+        if not launcher_takes_constexprs(triton.__version__):
             return
         named = self.fn.arg_names[len(tensors) + len(self.scalars):]
         if any(name not in self.meta for name in named):
