@@ -48,7 +48,7 @@ def summarise(events: Iterable[dict[str, Any]], top: int = 10, name_chars: int =
         else:
             end = max(end, e)
     busy += end - start
-    span = max(e for _, e, _ in spans) - spans[0][0]
+    span = end - spans[0][0]  # the last merged interval ends last
     by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for s, e, name in spans:
         entry = by_name[name[:name_chars]]

@@ -10,9 +10,8 @@ import torch
 
 from ..capture.calls import AttentionCall
 from ..capture.layout import output_layout
-from ..kernels.sage2.cuda_kernel import cuda_refusal, sage2_cuda_attention, staging_keys
-from ..kernels.sage2.op import sage2_cuda_attention_lse_op, sage2_cuda_attention_op
-from ..kernels.staging import pool_for
+from ..kernels.sage2.cuda_kernel import cuda_refusal, staging_keys
+from ..kernels.sage2.op import run_sage2_cuda, sage2_cuda_attention_lse_op, sage2_cuda_attention_op
 from .base import AttentionForm, Runner
 from .sage2 import shape_rule, staged_runner
 
@@ -23,12 +22,11 @@ def run_cuda(pv: str, staging: str, call: AttentionCall) -> torch.Tensor | tuple
     tensors, run (eager, or inside the route's op), the op's body without a second dispatch; traced, or on a
     tensor subclass (a fake tensor: the op's fake serves it), the op."""
     layout = output_layout(call.layout, call.query)
+    args = (call.query, call.key, call.value, call.scale, pv, call.is_causal, staging, layout)
     if type(call.query) is torch.Tensor and not torch.compiler.is_compiling():
-        return sage2_cuda_attention(call.query, call.key, call.value, scale=call.scale, pv=pv,
-                                    is_causal=call.is_causal, staging=pool_for(staging), return_lse=call.return_lse,
-                                    out_layout=layout)
+        return run_sage2_cuda(*args, return_lse=call.return_lse)
     op = sage2_cuda_attention_lse_op if call.return_lse else sage2_cuda_attention_op
-    return op(call.query, call.key, call.value, call.scale, pv, call.is_causal, staging, layout)
+    return op(*args)
 
 
 class _Sage2Cuda(AttentionForm):

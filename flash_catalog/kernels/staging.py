@@ -80,9 +80,13 @@ class StagingPool:
 
     def prepared(self, key: Hashable, make: Callable[[], T], device: torch.device) -> T:
         """What `make()` works out for a call (drawing this pool's buffers on `device`), made on the first call with
-        `key` and kept for the next ones. Not kept once released or while a CUDA graph captures on `device`: the
-        buffers drawn then are not the pool's."""
-        found = self._prepared.get(key)
+        `key` and kept for the next ones. Not kept once released or while a CUDA graph captures on `device` (the
+        buffers drawn then are not the pool's), nor for a key that cannot be hashed (an argument no call could take:
+        `make` names it)."""
+        try:
+            found = self._prepared.get(key)
+        except TypeError:
+            return make()
         if found is not None:
             return found  # type: ignore[return-value]
         made = make()

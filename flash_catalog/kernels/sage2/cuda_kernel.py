@@ -200,7 +200,7 @@ class KernelLaunch:
     the stream: the arguments of `fc_sage2_sm90` before them (`head`) and after (`tail`), and the tensors they
     point into (`holds`: the split's scratch, which nothing else may keep alive)."""
 
-    library: ctypes.CDLL
+    launcher: Launcher
     device: torch.device
     head: tuple[int | None, ...]
     tail: tuple[int | None, ...]
@@ -208,8 +208,8 @@ class KernelLaunch:
 
     def __call__(self, out: torch.Tensor, lse: torch.Tensor | None) -> None:
         """Launch on the current device, which must be the tensors' (`on_device`)."""
-        launcher(self.library)(*self.head, out.data_ptr(), lse.data_ptr() if lse is not None else None, *self.tail,
-                               torch.cuda.current_stream(self.device).cuda_stream)
+        self.launcher(*self.head, out.data_ptr(), lse.data_ptr() if lse is not None else None, *self.tail,
+                      torch.cuda.current_stream(self.device).cuda_stream)
 
 
 def on_device(device: torch.device) -> contextlib.AbstractContextManager[object]:
@@ -242,7 +242,7 @@ def kernel_launch(staged: Sage2Staged, out_dtype: torch.dtype, out_strides: tupl
             *out_strides[:3], int(is_causal), int(staged.pv == "fp16"), plan.whole, plan.parts,
             part_o.data_ptr() if part_o is not None else None, part_lse.data_ptr() if part_lse is not None else None)
     holds = tuple(t for t in (part_o, part_lse) if t is not None)
-    return KernelLaunch(built.library, device, head, tail, holds)
+    return KernelLaunch(launcher(built.library), device, head, tail, holds)
 
 
 def sage2_cuda_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, is_causal: bool = False,
@@ -310,12 +310,11 @@ def prepare_cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     b, h, sq, d = q.shape
     out_shape = (b, h, sq, v.shape[-1])
     sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
-    new_output(out_shape, q.dtype, q.device, out_layout)  # checks out_layout
+    strides = new_output(out_shape, q.dtype, torch.device("meta"), out_layout).stride()  # checks out_layout too
     if q.shape[:-1].numel() == 0:
         return CudaAttention(None, None, out_shape, out_layout, return_lse, sm_scale)
     plan = staging_plan(q, k, v, sm_scale=sm_scale, pv=pv, block_m=STAGING_TILES[0], block_n=STAGING_TILES[1],
                         validate=False, staging=staging, **staging_options(pv))
-    strides = new_output(out_shape, q.dtype, torch.device("meta"), out_layout).stride()
     launch = kernel_launch(plan.staged(v), q.dtype, strides, is_causal, True, staging)
     return CudaAttention(plan, launch, out_shape, out_layout, return_lse, sm_scale)
 
@@ -342,8 +341,4 @@ def sage2_cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
     key = ("sage2_cuda", *(part for t in (q, k, v)
                            for part in (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)),
            scale, pv, is_causal, return_lse, out_layout)
-    try:
-        hash(key)
-    except TypeError:  # an argument no call could take: the checks name it
-        return make()(q, k, v)
     return staging.prepared(key, make, q.device)(q, k, v)

@@ -63,14 +63,21 @@ def _fake_cuda_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
             q.new_empty(q.shape[:-1], dtype=torch.float32))
 
 
+def run_sage2_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, pv: str, is_causal: bool,
+                   staging: str = "", out_layout: str = "bhsd",
+                   return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The CUDA ops' body (the pool named by its handle), callable without the op's dispatch where nothing traces."""
+    from .cuda_kernel import sage2_cuda_attention
+    return sage2_cuda_attention(q, k, v, scale=scale, pv=pv, is_causal=is_causal, staging=pool_for(staging),
+                                return_lse=return_lse, out_layout=out_layout)
+
+
 @torch.library.custom_op("flash_catalog::sage2_cuda_attention", mutates_args=())
 def sage2_cuda_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, pv: str,
                             is_causal: bool, staging: str = "", out_layout: str = "bhsd") -> torch.Tensor:
     """The CUDA C++ kernel (`sage2_cuda`); opaque to the compiler, like the Triton and Gluon kernels. `out_layout`
     "bshd": the output is a (B, S, H, D)-contiguous view."""
-    from .cuda_kernel import sage2_cuda_attention
-    return sage2_cuda_attention(q, k, v, scale=scale, pv=pv, is_causal=is_causal, staging=pool_for(staging),
-                                out_layout=out_layout)
+    return run_sage2_cuda(q, k, v, scale, pv, is_causal, staging, out_layout)
 
 
 sage2_cuda_attention_op.register_fake(_fake_cuda)
@@ -81,9 +88,7 @@ def sage2_cuda_attention_lse_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                                 is_causal: bool, staging: str = "",
                                 out_layout: str = "bhsd") -> tuple[torch.Tensor, torch.Tensor]:
     """The CUDA C++ kernel with each row's log-sum-exp (ring-attention steps)."""
-    from .cuda_kernel import sage2_cuda_attention
-    return sage2_cuda_attention(q, k, v, scale=scale, pv=pv, is_causal=is_causal, staging=pool_for(staging),
-                                return_lse=True, out_layout=out_layout)
+    return run_sage2_cuda(q, k, v, scale, pv, is_causal, staging, out_layout, return_lse=True)
 
 
 sage2_cuda_attention_lse_op.register_fake(_fake_cuda_lse)
