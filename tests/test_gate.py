@@ -240,3 +240,32 @@ def test_the_device_timer_hides_the_host_s_launch_cost_and_the_event_timer_does_
     timer = DeviceTimer()
     assert timer(slow_launch, 20) < 5e-5  # its first spin (1 ms) is outlasted, so it measures again
     assert timer(slow_launch, 40) < 5e-5  # sized from the host time it kept
+
+
+@pytest.mark.gpu
+def test_the_device_timer_times_a_call_that_waits_for_the_device_as_it_runs_and_in_bounded_time():
+    """A call that reads its result on the host (as a routed call's mask check does for a mask built anew each call)
+    returns only after the GPU ran it: it cannot be queued behind a spin, so the device timer times it with its
+    waits, as the event timer does, and its samples take no longer than its calls. Each sample's spin used to be
+    sized from host time that included the last spin, doubling without end (the regional-compile attach hung)."""
+    from flash_catalog.decide.gate import DeviceTimer, _cuda_timer
+
+    x = torch.ones(1024, device="cuda")
+
+    def reads_back() -> None:
+        end = time.perf_counter() + 1e-4
+        while time.perf_counter() < end:
+            pass
+        x.add_(1).sum().item()
+
+    timer = DeviceTimer()
+    started = time.perf_counter()
+    samples = [timer(reads_back, 20) for _ in range(12)]
+    assert time.perf_counter() - started < 2.0
+    assert timer.waits_for_device(reads_back)
+    assert min(samples) > 0.5 * _cuda_timer(reads_back, 20) > 5e-5
+
+    def queued() -> None:
+        x.add_(1)
+
+    assert not timer.waits_for_device(queued)

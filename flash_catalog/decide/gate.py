@@ -284,17 +284,25 @@ class DeviceTimer:
     device is busy. For compiled code only: the step check times the model's real (wall-clock) step after. One per
     paired timing: it keeps each callable's host time per call, which sizes the next spin. A sample whose spin ended
     before the host had queued every call (the event after the spin had already fired) is measured again with a
-    spin twice as long."""
+    spin twice as long, up to `MAX_SPIN_S`. A callable that waits for the device (it reads a result on the host, as a
+    routed call's mask check does where the host builds a new mask each call) cannot be queued behind a spin: it is
+    timed as `_cuda_timer` times eager code, its host time and the GPU's waits included, as it costs in the model
+    too; a spin sized from such a call's host time would grow with every sample."""
 
     ATTEMPTS = 4  # a host slower every time (a busy machine): the last measurement stands
+    MAX_SPIN_S = 0.5
+    PROBE_SPIN_S = 5e-3  # a call that returns only after the GPU ran past a spin this long waits for the device
 
     def __init__(self) -> None:
         self._host_s: dict[int, float] = {}  # id of a callable -> its host seconds per call, the most seen
+        self._waits: dict[int, bool] = {}  # id of a callable -> whether it waits for the device
 
     def __call__(self, fn: Callable[[], object], reps: int) -> float:
+        if self.waits_for_device(fn):
+            return _cuda_timer(fn, reps)
         seconds = 0.0
         for attempt in range(self.ATTEMPTS):
-            spin_s = (2 * self._host_s.get(id(fn), 0.0) * reps + 1e-3) * 2 ** attempt
+            spin_s = min((2 * self._host_s.get(id(fn), 0.0) * reps + 1e-3) * 2 ** attempt, self.MAX_SPIN_S)
             begin = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             torch.cuda._sleep(int(spin_s * _spin_rate(torch.cuda.current_device())))
@@ -311,6 +319,18 @@ class DeviceTimer:
             if outlasted:
                 break
         return seconds
+
+    def waits_for_device(self, fn: Callable[[], object]) -> bool:
+        """Whether one call of `fn` returns only after the GPU has run past a spin of `PROBE_SPIN_S` queued before it
+        (a host sync, or that much host time): probed once per callable."""
+        if id(fn) not in self._waits:
+            torch.cuda._sleep(int(self.PROBE_SPIN_S * _spin_rate(torch.cuda.current_device())))
+            spun = torch.cuda.Event()
+            spun.record()
+            fn()
+            self._waits[id(fn)] = spun.query()
+            torch.cuda.synchronize()
+        return self._waits[id(fn)]
 
 
 @functools.lru_cache(maxsize=None)
