@@ -250,3 +250,28 @@ def test_gpu_quantize_rows_matches_the_torch_path(k):
         codes, scale = quantize_rows_int8(x, s)
         ref_codes, ref_scale = quantize_rows_int8_torch(x, s)
         assert torch.equal(codes, ref_codes) and torch.equal(scale, ref_scale)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_repeated_launches_of_one_shape_stay_exact_and_share_a_plan(variant):
+    """An eager linear launches its kernels at the same shapes call after call: the first launch goes through the
+    JIT, the later ones (on a GPU) through the compiled kernel's launcher, tensor descriptors included. Each stays
+    bit-exact on new data, and one plan serves them; a 2-byte-aligned view of x gets a plan of its own."""
+    from flash_catalog.kernels.int8_gemm import GEMM_LAUNCHES, QUANT_LAUNCHES, clear_launch_caches
+
+    clear_launch_caches()
+    config = {**SMALL, **VARIANTS[variant]}
+    for seed in range(3):
+        a, a_scale, w, w_scale, bias = _operands(37, 50, 80, bias_dtype=torch.bfloat16, seed=seed)
+        _assert_same(int8_matmul(a, a_scale, w, w_scale, bias, torch.bfloat16, config=config),
+                     _reference(a, a_scale, w, w_scale, bias, torch.bfloat16))
+    assert len(GEMM_LAUNCHES) == 1
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(9, 161, generator=g).to(DEVICE, torch.bfloat16)
+    for x in (rows[:, :160], (rows * 2)[:, :160], rows[:, 1:]):  # the last: a data pointer 2 bytes past alignment
+        codes, scale = quantize_rows_int8(x)
+        want_codes, want_scale = quantize_rows_int8_torch(x)
+        assert torch.equal(codes, want_codes) and torch.equal(scale, want_scale)
+    assert len(QUANT_LAUNCHES) == 2
+    clear_launch_caches()
+    assert len(GEMM_LAUNCHES) == len(QUANT_LAUNCHES) == 0

@@ -26,6 +26,7 @@ epilogue. The interpreter's fp32 -> bf16 cast truncates, so the kernels round to
 from __future__ import annotations
 
 import functools
+from typing import Any, Callable
 
 import torch
 import triton
@@ -36,6 +37,7 @@ from .activation import ACT_CODE, ROUND_CODE, activate, apply_activation, round_
 from .interpreter import interpreted
 from .magic import MAGIC_FLOAT, MAGIC_INT
 from .rows import ROW_DTYPES, check_rows, over_rows
+from .triton_launch import LaunchCache
 
 INT8_MAX = 127.0
 AMAX_FLOOR = 1e-30        # an all-zero row gets this amax: 127 / amax stays finite and the codes are zeros
@@ -225,6 +227,17 @@ def _int8_matmul_kernel(A, AS, W, WS, BIAS, C, M, N, K, stride_am, stride_wn, st
               HAS_BIAS, EVEN_K, USE_TMA, INTERPRETED, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
 
 
+# The eager launches, past each shape's first, skip the JIT (`RepeatLaunch`): tens of microseconds of host time a
+# launch on the GPU box, two launches per linear. `clear_launch_caches()` forgets them.
+QUANT_LAUNCHES = LaunchCache(_quant_rows_kernel)
+GEMM_LAUNCHES = LaunchCache(_int8_matmul_kernel)
+
+
+def clear_launch_caches() -> None:
+    QUANT_LAUNCHES.clear()
+    GEMM_LAUNCHES.clear()
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Where the kernels run
 # --------------------------------------------------------------------------------------------------------------------
@@ -323,11 +336,10 @@ def quantize_rows_int8(x: torch.Tensor, smooth: torch.Tensor | None = None,
     block_m, block_k, warps = _quant_launch(k, activation)
     # FMA contraction only touches the activation (the quantisation has no multiply feeding an add), which
     # already may differ from torch's by an ulp; it saves about 10% of a fused GELU row's time
-    _quant_rows_kernel[(triton.cdiv(m, block_m),)](
-        x, x if smooth is None else smooth, codes, scale, m, k, x.stride(0),
-        HAS_SMOOTH=smooth is not None, ACT=ACT_CODE[activation], ROUND=ROUND_CODE[x.dtype],
-        INTERPRET=interpreted(_quant_rows_kernel), BLOCK_M=block_m, BLOCK_K=block_k, num_warps=warps,
-        enable_fp_fusion=activation is not None)
+    QUANT_LAUNCHES((triton.cdiv(m, block_m),), (x, x if smooth is None else smooth, codes, scale), (m, k, x.stride(0)),
+                   (("HAS_SMOOTH", smooth is not None), ("ACT", ACT_CODE[activation]), ("ROUND", ROUND_CODE[x.dtype]),
+                    ("INTERPRET", interpreted(_quant_rows_kernel)), ("BLOCK_M", block_m), ("BLOCK_K", block_k),
+                    ("num_warps", warps), ("enable_fp_fusion", activation is not None)))
     return codes, scale
 
 
@@ -453,7 +465,7 @@ def int8_matmul(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
         if blocker and config is not None and config.get("tma"):
             raise ValueError(f"config asks for tma=True but {blocker}; use tma=False")
         cfg["tma"] = blocker is None
-    return _launch(_int8_matmul_kernel, a, a_scale, w, w_scale, bias, out_dtype, cfg, enable_fp_fusion=False)
+    return _launch(GEMM_LAUNCHES, a, a_scale, w, w_scale, bias, out_dtype, cfg, (("enable_fp_fusion", False),))
 
 
 def int8_matmul_traceable(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
@@ -470,12 +482,19 @@ def int8_matmul_traceable(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tenso
     from torch.library import wrap_triton
 
     cfg = {**default_config(m, n, k), "tma": False}
-    return _launch(wrap_triton(_int8_matmul_kernel), a, a_scale, w, w_scale, bias, out_dtype, cfg)
+    traced = wrap_triton(_int8_matmul_kernel)
+
+    def launch(grid: tuple[int, ...], args: tuple, scalars: tuple, meta: tuple[tuple[str, Any], ...]) -> None:
+        traced[grid](*args, *scalars, **dict(meta))
+
+    return _launch(launch, a, a_scale, w, w_scale, bias, out_dtype, cfg)
 
 
-def _launch(kernel, a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-            bias: torch.Tensor | None, out_dtype: torch.dtype, cfg: dict, **options) -> torch.Tensor:
-    """One launch of the GEMM kernel (`kernel`: it, or it wrapped for tracing) at a resolved configuration."""
+def _launch(launch: Callable[..., None], a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
+            w_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype, cfg: dict,
+            options: tuple[tuple[str, Any], ...] = ()) -> torch.Tensor:
+    """One launch of the GEMM kernel at a resolved configuration; `launch(grid, args, scalars, meta)`:
+    `GEMM_LAUNCHES` eager, the kernel wrapped for tracing under torch.compile."""
     (m, k), n = a.shape, w.shape[0]
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
@@ -486,12 +505,12 @@ def _launch(kernel, a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_s
         a_arg, w_arg = a, w
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     grid = (min(tiles, _program_budget(a.device)) if cfg["persistent"] else tiles,)
-    kernel[grid](
-        a_arg, a_scale, w_arg, w_scale, w_scale if bias is None else bias, out, m, n, k,
-        a.stride(0), w.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, USE_TMA=cfg["tma"], PERSISTENT=cfg["persistent"],
-        INTERPRETED=interpreted(_int8_matmul_kernel), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **options)
+    launch(grid, (a_arg, a_scale, w_arg, w_scale, w_scale if bias is None else bias, out),
+           (m, n, k, a.stride(0), w.stride(0), out.stride(0)),
+           (("HAS_BIAS", bias is not None), ("EVEN_K", k % bk == 0), ("USE_TMA", cfg["tma"]),
+            ("PERSISTENT", cfg["persistent"]), ("INTERPRETED", interpreted(_int8_matmul_kernel)), ("BLOCK_M", bm),
+            ("BLOCK_N", bn), ("BLOCK_K", bk), ("GROUP_M", cfg["GROUP_M"]), ("num_warps", cfg["num_warps"]),
+            ("num_stages", cfg["num_stages"]), *options))
     return out
 
 

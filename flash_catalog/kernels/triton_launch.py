@@ -6,14 +6,15 @@ box's CPU, for a kernel of a few). Where the scalars, the grid and the tensors' 
 those of the first call, the JIT would pick the same compiled kernel again, so later calls skip it. The caller
 owns that promise: a `RepeatLaunch` belongs to a plan whose key fixes all of them (`StagingPool.prepared`).
 Under Triton's interpreter, and before Triton 3.3 (whose compiled launchers take the constexpr arguments too, where
-earlier ones take only the others), every call goes through the JIT.
+earlier ones take only the others), every call goes through the JIT. A `LaunchCache` keeps one kernel's
+`RepeatLaunch`es by everything its JIT specialises on, for a launch site whose calls vary (an eager linear's rows).
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
 import torch
 
@@ -38,11 +39,13 @@ class RepeatLaunch:
     meta: dict[str, Any]
     _direct: Callable[..., None] | None = field(default=None, init=False, repr=False)
     _constexprs: tuple[Any, ...] = field(default=(), init=False, repr=False)
+    _device: torch.device | None = field(default=None, init=False, repr=False)
 
-    def __call__(self, *tensors: torch.Tensor) -> None:
+    def __call__(self, *tensors: Any) -> None:
+        """Launch on `tensors` (tensors, or host-side tensor descriptors, or None where the kernel takes it)."""
         if self._direct is not None:
-            stream = torch.cuda.current_stream(tensors[0].device).cuda_stream
-            self._direct(*tensors, *self.scalars, *self._constexprs, stream=stream)
+            self._direct(*tensors, *self.scalars, *self._constexprs,
+                         stream=torch.cuda.current_stream(self._device).cuda_stream)
             return
         compiled = self.fn[self.grid](*tensors, *self.scalars, **self.meta)
         if interpreted(self.fn) or compiled is None or not hasattr(compiled, "__getitem__"):
@@ -55,4 +58,51 @@ class RepeatLaunch:
         if any(name not in self.meta for name in named):
             return  # a parameter left to its default: keep the JIT, which knows it
         self._constexprs = tuple(self.meta[name] for name in named)
+        self._device = next(_device_of(t) for t in tensors if _device_of(t) is not None)
         self._direct = compiled[(*self.grid, 1, 1)[:3]]  # the compiled kernel's runner indexes three grid axes
+
+
+def _device_of(arg: Any) -> torch.device | None:
+    """The device of a tensor argument, or of a tensor descriptor's base; None for anything else."""
+    tensor = arg if isinstance(arg, torch.Tensor) else getattr(arg, "base", None)
+    return tensor.device if isinstance(tensor, torch.Tensor) else None
+
+
+def specialisation(arg: Any) -> Hashable:
+    """What the JIT may specialise a launch argument on, and more: a tensor's dtype, device and 16-byte alignment;
+    a tensor descriptor's base (as a tensor), shape, strides and block shape; anything else as it is."""
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.device, arg.data_ptr() % 16 == 0
+    base = getattr(arg, "base", None)
+    if isinstance(base, torch.Tensor):
+        return (specialisation(base), tuple(arg.shape), tuple(arg.strides), tuple(arg.block_shape),
+                getattr(arg, "padding", None))
+    return arg
+
+
+@dataclass(eq=False)
+class LaunchCache:
+    """One Triton kernel's `RepeatLaunch`es, keyed by the grid, the scalars, the constexprs and launch options, and
+    each launch argument's `specialisation`: the promise `RepeatLaunch` needs, kept by the key. At most `limit`
+    are kept (then it starts afresh); `clear()` forgets them."""
+
+    fn: Any  # a triton JITFunction
+    limit: int = 256
+    _plans: dict[Hashable, RepeatLaunch] = field(default_factory=dict, init=False, repr=False)
+
+    def __call__(self, grid: tuple[int, ...], args: tuple[Any, ...], scalars: tuple[Any, ...],
+                 meta: tuple[tuple[str, Any], ...]) -> None:
+        """`fn[grid](*args, *scalars, **dict(meta))`; `meta`: the constexprs and options as (name, value) pairs."""
+        key = (grid, scalars, meta, tuple(map(specialisation, args)))
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= self.limit:
+                self._plans.clear()
+            plan = self._plans[key] = RepeatLaunch(self.fn, grid, scalars, dict(meta))
+        plan(*args)
+
+    def clear(self) -> None:
+        self._plans.clear()
+
+    def __len__(self) -> int:
+        return len(self._plans)
