@@ -58,7 +58,7 @@ class RepeatLaunch:
         if any(name not in self.meta for name in named):
             return  # a parameter left to its default: keep the JIT, which knows it
         self._constexprs = tuple(self.meta[name] for name in named)
-        self._device = next(_device_of(t) for t in tensors if _device_of(t) is not None)
+        self._device = next((d for d in map(_device_of, tensors) if d is not None), None)  # None: the current one
         self._direct = compiled[(*self.grid, 1, 1)[:3]]  # the compiled kernel's runner indexes three grid axes
 
 
