@@ -80,8 +80,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
-PEER_COMPILE_FACTOR = 12
 START = time.monotonic()  # taken before torch, diffusers and triton load: --budget-s counts their import too
+PEER_COMPILE_FACTOR = 12  # torchao's FP8 tensor subclasses compile far longer than the host (BENCHMARKS.md, 2026-12-03)
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -697,9 +697,7 @@ class Bench:
             log(f"compile_repeated_blocks failed: {type(exc).__name__}: {exc}")
 
     def peer_estimate_s(self) -> float:
-        """The build again, and a compile guessed at PEER_COMPILE_FACTOR times the host's: torchao's FP8 tensor
-        subclasses compile far longer (on the H200 box, 2026-12-03: Flux's and SD3.5's peer compiles had not ended
-        200 s and 136 s in, where the hosts compiled in 19.6 s and 15.9 s)."""
+        """The build again, and a compile guessed at PEER_COMPILE_FACTOR times the host's."""
         return self.build_s + PEER_COMPILE_FACTOR * self.budget.compile_s + self.steps_s()
 
     def steps_s(self) -> float:

@@ -227,8 +227,8 @@ def _int8_matmul_kernel(A, AS, W, WS, BIAS, C, M, N, K, stride_am, stride_wn, st
               HAS_BIAS, EVEN_K, USE_TMA, INTERPRETED, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
 
 
-# The eager launches, past each shape's first, skip the JIT (`RepeatLaunch`): tens of microseconds of host time a
-# launch on the GPU box, two launches per linear. `clear_launch_caches()` forgets them.
+# The eager launches, past each shape's first, skip the JIT's host time (`RepeatLaunch`): two launches per linear.
+# `clear_launch_caches()` forgets them.
 QUANT_LAUNCHES = LaunchCache(_quant_rows_kernel)
 GEMM_LAUNCHES = LaunchCache(_int8_matmul_kernel)
 

@@ -62,22 +62,27 @@ class RepeatLaunch:
         self._direct = compiled[(*self.grid, 1, 1)[:3]]  # the compiled kernel's runner indexes three grid axes
 
 
-def _device_of(arg: Any) -> torch.device | None:
-    """The device of a tensor argument, or of a tensor descriptor's base; None for anything else."""
+def _tensor_of(arg: Any) -> torch.Tensor | None:
+    """A tensor argument itself, or a tensor descriptor's base; None for anything else."""
     tensor = arg if isinstance(arg, torch.Tensor) else getattr(arg, "base", None)
-    return tensor.device if isinstance(tensor, torch.Tensor) else None
+    return tensor if isinstance(tensor, torch.Tensor) else None
+
+
+def _device_of(arg: Any) -> torch.device | None:
+    tensor = _tensor_of(arg)
+    return None if tensor is None else tensor.device
 
 
 def specialisation(arg: Any) -> Hashable:
     """What the JIT may specialise a launch argument on, and more: a tensor's dtype, device and 16-byte alignment;
     a tensor descriptor's base (as a tensor), shape, strides and block shape; anything else as it is."""
-    if isinstance(arg, torch.Tensor):
-        return arg.dtype, arg.device, arg.data_ptr() % 16 == 0
-    base = getattr(arg, "base", None)
-    if isinstance(base, torch.Tensor):
-        return (specialisation(base), tuple(arg.shape), tuple(arg.strides), tuple(arg.block_shape),
-                getattr(arg, "padding", None))
-    return arg
+    tensor = _tensor_of(arg)
+    if tensor is None:
+        return arg
+    aligned = tensor.dtype, tensor.device, tensor.data_ptr() % 16 == 0
+    if tensor is arg:
+        return aligned
+    return aligned, tuple(arg.shape), tuple(arg.strides), tuple(arg.block_shape), getattr(arg, "padding", None)
 
 
 @dataclass(eq=False)
