@@ -9,9 +9,10 @@ times less than e4m3's 3-bit mantissa: on random data cosine 0.99995 per GEMM, w
 from __future__ import annotations
 
 from ..kernels.int8_gemm import quantize_weight_int8
+from ..kernels.int8_linear_plans import Int8LinearPlans
 from .w8a8_rowwise import Scheme, W8A8RowwiseFfn
 
-INT8 = Scheme("int8 rowwise", "int8", quantize_weight_int8)
+INT8 = Scheme("int8 rowwise", "int8", quantize_weight_int8, eager_linear=Int8LinearPlans)
 
 
 class Int8RowwiseFfn(W8A8RowwiseFfn):

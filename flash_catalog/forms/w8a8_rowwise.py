@@ -4,15 +4,16 @@ every call, with the host's pointwise GELU / GELU-tanh / SiLU fused into the row
 (GEGLU, SwiGLU) and ApproximateGELU run the host's own torch expressions in the input dtype.
 
 The quantized linears run through `w8a8_linear` (kernels/linear_ops.py): the fused kernels eager; traced, the row
-quantiser as torch ops that inductor fuses into the op before it, then the GEMM, with no graph break. Forward
-reads, besides its buffers, only what is the same for every module of one architecture (dtype, activation, scheme,
-fusion), so alike modules share one compiled graph.
+quantiser as torch ops that inductor fuses into the op before it, then the GEMM, with no graph break. Eager, a
+scheme with an `eager_linear` (INT8: `Int8LinearPlans`) runs each weight's prepared linear instead, the same bits
+for less host time. Traced, forward reads, besides its buffers, only what is the same for every module of one
+architecture (dtype, activation, scheme, fusion), so alike modules share one compiled graph.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import Callable, ClassVar, Protocol
 
 import torch
 from torch import nn
@@ -23,15 +24,25 @@ from .ffn_base import FfnForm, QuantizedModule
 from .ffn_host import FUSED_ACTIVATIONS, adopt_layout, copied_bias, ffn_rule, host_activation, linear_rule
 
 
+class EagerLinear(Protocol):
+    """One weight's eager linear, `(x, w_q, w_scale, bias, out_dtype, activation) -> y`, as `w8a8_linear` gives it."""
+
+    def __call__(self, x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+                 out_dtype: torch.dtype, activation: str | None) -> torch.Tensor: ...
+
+
 @dataclass(frozen=True)
 class Scheme:
     """How a quantized module stores a weight and runs a linear: codes and per-output-channel scales from
     `quantize_weight(w)`; the linear is `linear_ops.w8a8_linear` with `name` as its scheme, x
-    quantized per row (a pointwise activation applied to x first, fused into the row quantiser)."""
+    quantized per row (a pointwise activation applied to x first, fused into the row quantiser). `eager_linear`,
+    where given, makes each weight's own eager linear (the same bits, less host time per call: prepared per input
+    layout); traced calls always take `w8a8_linear`."""
 
     label: str
     name: str
     quantize_weight: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    eager_linear: Callable[[], EagerLinear] | None = None
 
 
 class QuantizedFeedForward(QuantizedModule):
@@ -51,6 +62,8 @@ class QuantizedFeedForward(QuantizedModule):
         self.hold(dtype, activation, w1_q=w1, w1_scale=s1, b1=b1, w2_q=w2, w2_scale=s2, b2=b2)
         self.fuse_activation = fuse_activation
         self.scheme = scheme
+        make = scheme.eager_linear
+        self._eager: tuple[EagerLinear, EagerLinear] | None = None if make is None else (make(), make())
 
     def extra_repr(self) -> str:
         return self.describe_ffn(self.w1_q.shape, self.w2_q.shape, f"{self.scheme.label}, {str(self.dtype)[6:]} out")
@@ -59,9 +72,14 @@ class QuantizedFeedForward(QuantizedModule):
         del args, kwargs  # the host ignores them too (a deprecated `scale`)
         x = hidden_states
         self.check_input(x)
+        fused = FUSED_ACTIVATIONS.get(self.activation) if self.fuse_activation else None
+        if not torch.compiler.is_compiling() and self._eager is not None:  # never read while tracing
+            up, down = self._eager
+            h = up(x, self.w1_q, self.w1_scale, self.b1, self.dtype, None)
+            h = h if fused is not None else host_activation(h, self.activation)
+            return down(h, self.w2_q, self.w2_scale, self.b2, self.dtype, fused)
         scheme = self.scheme.name
         h = w8a8_linear(x, self.w1_q, self.w1_scale, self.b1, scheme, None, self.dtype)
-        fused = FUSED_ACTIVATIONS.get(self.activation) if self.fuse_activation else None
         if fused is None:
             h = host_activation(h, self.activation)
         return w8a8_linear(h, self.w2_q, self.w2_scale, self.b2, scheme, fused, self.dtype)
@@ -79,9 +97,12 @@ class QuantizedLinear(QuantizedModule):
         super().__init__()
         self.hold(dtype, None, w_q=w, w_scale=scale, bias=bias)
         self.scheme = scheme
+        self._eager: EagerLinear | None = None if scheme.eager_linear is None else scheme.eager_linear()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.check_input(x)
+        if not torch.compiler.is_compiling() and self._eager is not None:  # never read while tracing
+            return self._eager(x, self.w_q, self.w_scale, self.bias, self.dtype, None)
         return w8a8_linear(x, self.w_q, self.w_scale, self.bias, self.scheme.name, None, self.dtype)
 
 

@@ -37,7 +37,7 @@ from .activation import ACT_CODE, ROUND_CODE, activate, apply_activation, round_
 from .interpreter import interpreted
 from .magic import MAGIC_FLOAT, MAGIC_INT
 from .rows import ROW_DTYPES, check_rows, over_rows
-from .triton_launch import LaunchCache
+from .triton_launch import LaunchCache, RepeatLaunch
 
 INT8_MAX = 127.0
 AMAX_FLOOR = 1e-30        # an all-zero row gets this amax: 127 / amax stays finite and the codes are zeros
@@ -231,6 +231,7 @@ def _int8_matmul_kernel(A, AS, W, WS, BIAS, C, M, N, K, stride_am, stride_wn, st
 # `clear_launch_caches()` forgets them.
 QUANT_LAUNCHES = LaunchCache(_quant_rows_kernel)
 GEMM_LAUNCHES = LaunchCache(_int8_matmul_kernel)
+EAGER_GEMM_OPTIONS = (("enable_fp_fusion", False),)  # no FMA contraction: the torch path's bits
 
 
 def clear_launch_caches() -> None:
@@ -333,14 +334,28 @@ def quantize_rows_int8(x: torch.Tensor, smooth: torch.Tensor | None = None,
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m == 0:
         return codes, scale
+    grid, scalars, meta = _quant_args(x, smooth is not None, activation)
+    QUANT_LAUNCHES(grid, (x, x if smooth is None else smooth, codes, scale), scalars, meta)
+    return codes, scale
+
+
+def repeat_quant(x: torch.Tensor, activation: str | None) -> RepeatLaunch:
+    """The quantiser's launch for rows like `x` (no smooth), fixed for calls at x's layout: `(x, x, codes, scale)`."""
+    grid, scalars, meta = _quant_args(x, False, activation)
+    return RepeatLaunch(_quant_rows_kernel, grid, scalars, dict(meta))
+
+
+def _quant_args(x: torch.Tensor, smooth: bool, activation: str | None
+                      ) -> tuple[tuple[int], tuple[int, int, int], tuple[tuple[str, Any], ...]]:
+    """The grid, scalars and meta pairs of `_quant_rows_kernel` for rows `x` (M, K) of 1..MAX_FUSED_ROW elements."""
+    m, k = x.shape
     block_m, block_k, warps = _quant_launch(k, activation)
     # FMA contraction only touches the activation (the quantisation has no multiply feeding an add), which
     # already may differ from torch's by an ulp; it saves about 10% of a fused GELU row's time
-    QUANT_LAUNCHES((triton.cdiv(m, block_m),), (x, x if smooth is None else smooth, codes, scale), (m, k, x.stride(0)),
-                   (("HAS_SMOOTH", smooth is not None), ("ACT", ACT_CODE[activation]), ("ROUND", ROUND_CODE[x.dtype]),
-                    ("INTERPRET", interpreted(_quant_rows_kernel)), ("BLOCK_M", block_m), ("BLOCK_K", block_k),
-                    ("num_warps", warps), ("enable_fp_fusion", activation is not None)))
-    return codes, scale
+    return ((triton.cdiv(m, block_m),), (m, k, x.stride(0)),
+            (("HAS_SMOOTH", smooth), ("ACT", ACT_CODE[activation]), ("ROUND", ROUND_CODE[x.dtype]),
+             ("INTERPRET", interpreted(_quant_rows_kernel)), ("BLOCK_M", block_m), ("BLOCK_K", block_k),
+             ("num_warps", warps), ("enable_fp_fusion", activation is not None)))
 
 
 @torch.no_grad()
@@ -415,9 +430,9 @@ def _resolve_config(config: dict | None, m: int, n: int, k: int) -> dict:
     return cfg
 
 
-def _tma_blocker(a: torch.Tensor, w: torch.Tensor) -> str | None:
-    """Why TMA descriptors cannot address a and w (16-byte aligned bases and row strides), or None."""
-    for name, t in (("a", a), ("w", w)):
+def tma_blocker(**operands: torch.Tensor) -> str | None:
+    """Why TMA descriptors cannot address the named operands (16-byte aligned bases and row strides), or None."""
+    for name, t in operands.items():
         if t.data_ptr() % 16 or t.stride(0) % 16:
             return f"{name} needs a 16-byte aligned base and row stride for TMA (stride {t.stride(0)})"
     return None
@@ -461,11 +476,11 @@ def int8_matmul(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
     if not triton_serves(a.device) or m == 0 or n == 0 or k == 0:
         return int8_matmul_torch(a, a_scale, w, w_scale, bias, out_dtype)
     if cfg["tma"]:
-        blocker = _tma_blocker(a, w)
+        blocker = tma_blocker(a=a, w=w)
         if blocker and config is not None and config.get("tma"):
             raise ValueError(f"config asks for tma=True but {blocker}; use tma=False")
         cfg["tma"] = blocker is None
-    return _launch(GEMM_LAUNCHES, a, a_scale, w, w_scale, bias, out_dtype, cfg, (("enable_fp_fusion", False),))
+    return _launch(GEMM_LAUNCHES, a, a_scale, w, w_scale, bias, out_dtype, cfg, EAGER_GEMM_OPTIONS)
 
 
 def int8_matmul_traceable(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
@@ -495,23 +510,36 @@ def _launch(launch: Callable[..., None], a: torch.Tensor, a_scale: torch.Tensor,
             options: tuple[tuple[str, Any], ...] = ()) -> torch.Tensor:
     """One launch of the GEMM kernel at a resolved configuration; `launch(grid, args, scalars, meta)`:
     `GEMM_LAUNCHES` eager, the kernel wrapped for tracing under torch.compile."""
+    out = torch.empty((a.shape[0], w.shape[0]), dtype=out_dtype, device=a.device)
+    a_arg = TensorDescriptor.from_tensor(a, [cfg["BLOCK_M"], cfg["BLOCK_K"]]) if cfg["tma"] else a
+    w_arg = TensorDescriptor.from_tensor(w, [cfg["BLOCK_N"], cfg["BLOCK_K"]]) if cfg["tma"] else w
     (m, k), n = a.shape, w.shape[0]
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
-    if cfg["tma"]:
-        a_arg = TensorDescriptor.from_tensor(a, [bm, bk])
-        w_arg = TensorDescriptor.from_tensor(w, [bn, bk])
-    else:
-        a_arg, w_arg = a, w
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    grid = (min(tiles, _program_budget(a.device)) if cfg["persistent"] else tiles,)
-    launch(grid, (a_arg, a_scale, w_arg, w_scale, w_scale if bias is None else bias, out),
-           (m, n, k, a.stride(0), w.stride(0), out.stride(0)),
-           (("HAS_BIAS", bias is not None), ("EVEN_K", k % bk == 0), ("USE_TMA", cfg["tma"]),
-            ("PERSISTENT", cfg["persistent"]), ("INTERPRETED", interpreted(_int8_matmul_kernel)), ("BLOCK_M", bm),
-            ("BLOCK_N", bn), ("BLOCK_K", bk), ("GROUP_M", cfg["GROUP_M"]), ("num_warps", cfg["num_warps"]),
-            ("num_stages", cfg["num_stages"]), *options))
+    grid, scalars, meta = _gemm_args(m, n, k, (a.stride(0), w.stride(0), out.stride(0)), a.device,
+                                           bias is not None, cfg, options)
+    launch(grid, (a_arg, a_scale, w_arg, w_scale, w_scale if bias is None else bias, out), scalars, meta)
     return out
+
+
+def repeat_gemm(m: int, n: int, k: int, w: torch.Tensor, has_bias: bool, cfg: dict) -> RepeatLaunch:
+    """The eager GEMM's launch for fresh row-major codes (M, K) times `w` into a fresh (M, N), fixed for repeated
+    calls: `(a, a_scale, w, w_scale, bias or w_scale, out)`, a and w as TMA descriptors where `cfg` says tma."""
+    grid, scalars, meta = _gemm_args(m, n, k, (k, w.stride(0), n), w.device, has_bias, cfg, EAGER_GEMM_OPTIONS)
+    return RepeatLaunch(_int8_matmul_kernel, grid, scalars, dict(meta))
+
+
+def _gemm_args(m: int, n: int, k: int, strides: tuple[int, int, int], device: torch.device, has_bias: bool,
+                     cfg: dict, options: tuple[tuple[str, Any], ...] = ()
+                     ) -> tuple[tuple[int], tuple[int, ...], tuple[tuple[str, Any], ...]]:
+    """The grid, scalars and meta pairs of `_int8_matmul_kernel` for codes (M, K) times w (N, K) into (M, N) at the
+    resolved configuration `cfg`; `strides`: the three row strides (codes, w, out); `options`: launch options."""
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    grid = (min(tiles, _program_budget(device)) if cfg["persistent"] else tiles,)
+    return (grid, (m, n, k, *strides),
+            (("HAS_BIAS", has_bias), ("EVEN_K", k % bk == 0), ("USE_TMA", cfg["tma"]),
+             ("PERSISTENT", cfg["persistent"]), ("INTERPRETED", interpreted(_int8_matmul_kernel)), ("BLOCK_M", bm),
+             ("BLOCK_N", bn), ("BLOCK_K", bk), ("GROUP_M", cfg["GROUP_M"]), ("num_warps", cfg["num_warps"]),
+             ("num_stages", cfg["num_stages"]), *options))
 
 
 def int8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,

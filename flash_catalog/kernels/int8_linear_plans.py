@@ -1,0 +1,107 @@
+"""Eager INT8 linears of one quantized weight, prepared per input layout: the checks once, then two bare launches.
+
+`int8_linear` checks its operands, resolves the GEMM's configuration, builds the weight's TMA descriptor and keys
+two launch caches at every call: tens of microseconds of host time per linear, which an eager step of many short
+linears (an image model's projections) waits for. `Int8LinearPlans` belongs to one module's weight. The first call
+at a layout (x's shape, strides, dtype, device and 16-byte alignment; the activation; the output dtype) runs
+`int8_linear` itself, with every check and error; later calls at that layout only allocate the codes, scales and
+output, and launch the two kernels through their compiled launchers (`RepeatLaunch`) with the weight's descriptor
+built once. The bits are `int8_linear`'s. A layout the fused kernels do not serve keeps calling `int8_linear`.
+Another weight, bias or scale tensor (a module moved with `.to()`) starts the plans afresh; copies start empty.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Hashable
+
+import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from . import int8_gemm as gemm
+from .triton_launch import RepeatLaunch
+
+
+@dataclass(eq=False)
+class _Layout:
+    """The prepared launches of one input layout: x (*lead, K) -> (*lead, N)."""
+
+    lead: tuple[int, ...]
+    m: int
+    k: int
+    n: int
+    out_dtype: torch.dtype
+    quant: RepeatLaunch
+    gemm: RepeatLaunch
+    a_box: list[int] | None  # the codes' TMA box; None: pointer loads
+    w_arg: Any               # the weight's TMA descriptor, or the weight
+    w_scale: torch.Tensor
+    bias_arg: torch.Tensor   # the bias, or w_scale where there is none (the kernel ignores it)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(self.m, self.k)
+        codes = torch.empty((self.m, self.k), dtype=torch.int8, device=x.device)
+        scale = torch.empty((self.m, 1), dtype=torch.float32, device=x.device)
+        self.quant(x2, x2, codes, scale)
+        out = torch.empty((self.m, self.n), dtype=self.out_dtype, device=x.device)
+        a_arg = codes if self.a_box is None else TensorDescriptor(codes, [self.m, self.k], [self.k, 1], self.a_box)
+        self.gemm(a_arg, scale, self.w_arg, self.w_scale, self.bias_arg, out)
+        return out.view(*self.lead, self.n)
+
+
+class Int8LinearPlans:
+    """`activation(x) @ W.T + bias` eager, for the one weight (codes, scales, bias) a module holds: `int8_linear`'s
+    result, with the per-call checks and configuration done once per input layout (module docstring)."""
+
+    def __init__(self) -> None:
+        self._operands: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int] | None = None
+        self._layouts: dict[Hashable, _Layout | None] = {}
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+                 out_dtype: torch.dtype, activation: str | None) -> torch.Tensor:
+        held = self._operands
+        if held is None or held[0] is not w or held[1] is not w_scale or held[2] is not bias \
+                or held[3] != w.data_ptr():
+            self._layouts.clear()
+            self._operands = (w, w_scale, bias, w.data_ptr())
+        key = (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16, activation, out_dtype)
+        try:
+            layout = self._layouts[key]
+        except KeyError:
+            out = gemm.int8_linear(x, w, w_scale, bias, out_dtype, activation)  # every check, every error
+            self._layouts[key] = _prepare(x, w, w_scale, bias, out_dtype, activation)
+            return out
+        if layout is None:
+            return gemm.int8_linear(x, w, w_scale, bias, out_dtype, activation)
+        return layout(x)
+
+    def __len__(self) -> int:
+        """How many layouts are prepared (or known to take `int8_linear`)."""
+        return len(self._layouts)
+
+    def __deepcopy__(self, memo: dict) -> Int8LinearPlans:
+        return Int8LinearPlans()  # a copy's tensors are new: its plans start afresh
+
+    def __reduce__(self) -> tuple:
+        return Int8LinearPlans, ()
+
+
+def _prepare(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+             out_dtype: torch.dtype, activation: str | None) -> _Layout | None:
+    """The launches `int8_linear` made for this call, fixed; None where it took a torch path (no rows, rows the
+    fused quantiser does not take, a device the kernels do not serve). Called after that call succeeded."""
+    n, k = w.shape
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    if not gemm.triton_serves(x.device) or m == 0 or n == 0 or not 0 < k <= gemm.MAX_FUSED_ROW \
+            or (x2.stride(1) != 1 and k > 1):
+        return None
+    cfg = gemm.default_config(m, n, k)
+    if cfg["tma"] and gemm.tma_blocker(w=w):
+        cfg["tma"] = False  # the codes are a fresh allocation, aligned, of rows K % 16 == 0 where tma is asked
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    return _Layout(lead=tuple(x.shape[:-1]), m=m, k=k, n=n, out_dtype=out_dtype,
+                   quant=gemm.repeat_quant(x2, activation), gemm=gemm.repeat_gemm(m, n, k, w, bias is not None, cfg),
+                   a_box=[bm, bk] if cfg["tma"] else None,
+                   w_arg=TensorDescriptor.from_tensor(w, [bn, bk]) if cfg["tma"] else w,
+                   w_scale=w_scale, bias_arg=w_scale if bias is None else bias)
