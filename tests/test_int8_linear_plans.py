@@ -78,6 +78,24 @@ def test_new_weight_tensors_start_afresh_and_copies_start_empty():
         assert isinstance(twin, Int8LinearPlans) and len(twin) == 0
 
 
+def test_the_plans_keep_no_tensor_of_the_weight_alive():
+    """A module moved with `.to()` or dropped frees its old tensors: the plans hold only weak references."""
+    import gc
+    import weakref
+
+    w_q, w_scale, b = _weight(48, 64)
+    plans = Int8LinearPlans()
+    x = _rows(5, 64, seed=3)
+    for _ in range(2):
+        plans(x, w_q, w_scale, b, torch.bfloat16, None)
+    gone = [weakref.ref(t) for t in (w_q, w_scale, b)]
+    del w_q, w_scale, b
+    gc.collect()
+    assert all(ref() is None for ref in gone)
+    other = _weight(48, 64, seed=5)
+    assert torch.equal(plans(x, *other, torch.bfloat16, None), int8_linear(x, *other, torch.bfloat16, None))
+
+
 def test_the_quantized_modules_call_their_plans_eager():
     from torch import nn
 

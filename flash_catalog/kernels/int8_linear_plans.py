@@ -5,15 +5,17 @@ two launch caches at every call: tens of microseconds of host time per linear, w
 linears (an image model's projections) waits for. `Int8LinearPlans` belongs to one module's weight. The first call
 at a layout (x's shape, strides, dtype, device and 16-byte alignment; the activation; the output dtype) runs
 `int8_linear` itself, with every check and error; later calls at that layout only allocate the codes, scales and
-output, and launch the two kernels through their compiled launchers (`RepeatLaunch`) with the weight's descriptor
-built once. The bits are `int8_linear`'s. A layout the fused kernels do not serve keeps calling `int8_linear`.
-Another weight, bias or scale tensor (a module moved with `.to()`) starts the plans afresh; copies start empty.
+output, and launch the two kernels through their compiled launchers (`RepeatLaunch`). The bits are
+`int8_linear`'s. A layout the fused kernels do not serve keeps calling `int8_linear`. Another weight, bias or scale
+tensor (a module moved with `.to()`) starts the plans afresh; the plans hold no tensor, so the old ones are freed;
+copies start empty.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
-from typing import Any, Hashable
+from typing import Hashable
 
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -24,7 +26,8 @@ from .triton_launch import RepeatLaunch
 
 @dataclass(eq=False)
 class _Layout:
-    """The prepared launches of one input layout: x (*lead, K) -> (*lead, N)."""
+    """The prepared launches of one input layout: x (*lead, K) -> (*lead, N). It holds no tensor: the weight's
+    operands come with each call, so a module moved or dropped frees them."""
 
     lead: tuple[int, ...]
     m: int
@@ -34,46 +37,57 @@ class _Layout:
     quant: RepeatLaunch
     gemm: RepeatLaunch
     a_box: list[int] | None  # the codes' TMA box; None: pointer loads
-    w_arg: Any               # the weight's TMA descriptor, or the weight
-    w_scale: torch.Tensor
-    bias_arg: torch.Tensor   # the bias, or w_scale where there is none (the kernel ignores it)
+    w_box: list[int] | None  # the weight's TMA box; None: pointer loads
+    w_stride: int
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor:
         x2 = x.reshape(self.m, self.k)
         codes = torch.empty((self.m, self.k), dtype=torch.int8, device=x.device)
         scale = torch.empty((self.m, 1), dtype=torch.float32, device=x.device)
         self.quant(x2, x2, codes, scale)
         out = torch.empty((self.m, self.n), dtype=self.out_dtype, device=x.device)
-        a_arg = codes if self.a_box is None else TensorDescriptor(codes, [self.m, self.k], [self.k, 1], self.a_box)
-        self.gemm(a_arg, scale, self.w_arg, self.w_scale, self.bias_arg, out)
+        if self.a_box is None or self.w_box is None:
+            a_arg, w_arg = codes, w
+        else:
+            a_arg = TensorDescriptor(codes, [self.m, self.k], [self.k, 1], self.a_box)
+            w_arg = TensorDescriptor(w, [self.n, self.k], [self.w_stride, 1], self.w_box)
+        self.gemm(a_arg, scale, w_arg, w_scale, w_scale if bias is None else bias, out)
         return out.view(*self.lead, self.n)
+
+
+def _same(held: weakref.ref | None, t: torch.Tensor | None) -> bool:
+    return t is None if held is None else held() is t
 
 
 class Int8LinearPlans:
     """`activation(x) @ W.T + bias` eager, for the one weight (codes, scales, bias) a module holds: `int8_linear`'s
-    result, with the per-call checks and configuration done once per input layout (module docstring)."""
+    result, with the per-call checks and configuration done once per input layout (module docstring). It keeps
+    only weak references to the weight's tensors."""
 
     def __init__(self) -> None:
-        self._operands: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int] | None = None
+        self._operands: tuple[weakref.ref | None, ...] = ()
+        self._w_ptr = 0
         self._layouts: dict[Hashable, _Layout | None] = {}
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
                  out_dtype: torch.dtype, activation: str | None) -> torch.Tensor:
         held = self._operands
-        if held is None or held[0] is not w or held[1] is not w_scale or held[2] is not bias \
-                or held[3] != w.data_ptr():
+        if not held or not _same(held[0], w) or not _same(held[1], w_scale) or not _same(held[2], bias) \
+                or self._w_ptr != w.data_ptr():
             self._layouts.clear()
-            self._operands = (w, w_scale, bias, w.data_ptr())
+            self._operands = tuple(None if t is None else weakref.ref(t) for t in (w, w_scale, bias))
+            self._w_ptr = w.data_ptr()
         key = (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16, activation, out_dtype)
         try:
             layout = self._layouts[key]
         except KeyError:
             out = gemm.int8_linear(x, w, w_scale, bias, out_dtype, activation)  # every check, every error
-            self._layouts[key] = _prepare(x, w, w_scale, bias, out_dtype, activation)
+            self._layouts[key] = _prepare(x, w, bias, out_dtype, activation)
             return out
         if layout is None:
             return gemm.int8_linear(x, w, w_scale, bias, out_dtype, activation)
-        return layout(x)
+        return layout(x, w, w_scale, bias)
 
     def __len__(self) -> int:
         """How many layouts are prepared (or known to take `int8_linear`)."""
@@ -86,8 +100,8 @@ class Int8LinearPlans:
         return Int8LinearPlans, ()
 
 
-def _prepare(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-             out_dtype: torch.dtype, activation: str | None) -> _Layout | None:
+def _prepare(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
+             activation: str | None) -> _Layout | None:
     """The launches `int8_linear` made for this call, fixed; None where it took a torch path (no rows, rows the
     fused quantiser does not take, a device the kernels do not serve). Called after that call succeeded."""
     n, k = w.shape
@@ -102,6 +116,5 @@ def _prepare(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torc
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     return _Layout(lead=tuple(x.shape[:-1]), m=m, k=k, n=n, out_dtype=out_dtype,
                    quant=gemm.repeat_quant(x2, activation), gemm=gemm.repeat_gemm(m, n, k, w, bias is not None, cfg),
-                   a_box=[bm, bk] if cfg["tma"] else None,
-                   w_arg=TensorDescriptor.from_tensor(w, [bn, bk]) if cfg["tma"] else w,
-                   w_scale=w_scale, bias_arg=w_scale if bias is None else bias)
+                   a_box=[bm, bk] if cfg["tma"] else None, w_box=[bn, bk] if cfg["tma"] else None,
+                   w_stride=w.stride(0))
