@@ -346,7 +346,7 @@ def repeat_quant(x: torch.Tensor, activation: str | None) -> RepeatLaunch:
 
 
 def _quant_args(x: torch.Tensor, smooth: bool, activation: str | None
-                      ) -> tuple[tuple[int], tuple[int, int, int], tuple[tuple[str, Any], ...]]:
+                ) -> tuple[tuple[int], tuple[int, int, int], tuple[tuple[str, Any], ...]]:
     """The grid, scalars and meta pairs of `_quant_rows_kernel` for rows `x` (M, K) of 1..MAX_FUSED_ROW elements."""
     m, k = x.shape
     block_m, block_k, warps = _quant_launch(k, activation)
@@ -515,7 +515,7 @@ def _launch(launch: Callable[..., None], a: torch.Tensor, a_scale: torch.Tensor,
     w_arg = TensorDescriptor.from_tensor(w, [cfg["BLOCK_N"], cfg["BLOCK_K"]]) if cfg["tma"] else w
     (m, k), n = a.shape, w.shape[0]
     grid, scalars, meta = _gemm_args(m, n, k, (a.stride(0), w.stride(0), out.stride(0)), a.device,
-                                           bias is not None, cfg, options)
+                                     bias is not None, cfg, options)
     launch(grid, (a_arg, a_scale, w_arg, w_scale, w_scale if bias is None else bias, out), scalars, meta)
     return out
 
@@ -528,8 +528,8 @@ def repeat_gemm(m: int, n: int, k: int, w: torch.Tensor, has_bias: bool, cfg: di
 
 
 def _gemm_args(m: int, n: int, k: int, strides: tuple[int, int, int], device: torch.device, has_bias: bool,
-                     cfg: dict, options: tuple[tuple[str, Any], ...] = ()
-                     ) -> tuple[tuple[int], tuple[int, ...], tuple[tuple[str, Any], ...]]:
+               cfg: dict, options: tuple[tuple[str, Any], ...] = ()
+               ) -> tuple[tuple[int], tuple[int, ...], tuple[tuple[str, Any], ...]]:
     """The grid, scalars and meta pairs of `_int8_matmul_kernel` for codes (M, K) times w (N, K) into (M, N) at the
     resolved configuration `cfg`; `strides`: the three row strides (codes, w, out); `options`: launch options."""
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
