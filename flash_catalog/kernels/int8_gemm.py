@@ -328,7 +328,7 @@ def quantize_rows_int8(x: torch.Tensor, smooth: torch.Tensor | None = None,
     if activation not in ACT_CODE:
         raise ValueError(f"activation is {activation!r}; allowed: None, 'gelu', 'gelu_tanh', 'silu'")
     m, k = x.shape
-    if not triton_serves(x.device) or not 0 < k <= MAX_FUSED_ROW or (x.stride(1) != 1 and k > 1):
+    if not quantiser_serves(x):
         return quantize_rows_int8_torch(x, smooth, activation)
     codes = torch.empty((m, k), dtype=torch.int8, device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
@@ -337,6 +337,13 @@ def quantize_rows_int8(x: torch.Tensor, smooth: torch.Tensor | None = None,
     grid, scalars, meta = _quant_args(x, smooth is not None, activation)
     QUANT_LAUNCHES(grid, (x, x if smooth is None else smooth, codes, scale), scalars, meta)
     return codes, scale
+
+
+def quantiser_serves(x: torch.Tensor) -> bool:
+    """Whether the quantisation kernel takes rows `x` (M, K): where the kernels run, 1..MAX_FUSED_ROW elements a row
+    with a unit column stride; otherwise the torch path serves."""
+    k = x.shape[1]
+    return triton_serves(x.device) and 0 < k <= MAX_FUSED_ROW and (x.stride(1) == 1 or k == 1)
 
 
 def repeat_quant(x: torch.Tensor, activation: str | None) -> RepeatLaunch:

@@ -36,8 +36,7 @@ class _Layout:
     out_dtype: torch.dtype
     quant: RepeatLaunch
     gemm: RepeatLaunch
-    a_box: list[int] | None  # the codes' TMA box; None: pointer loads
-    w_box: list[int] | None  # the weight's TMA box; None: pointer loads
+    boxes: tuple[list[int], list[int]] | None  # the codes' and the weight's TMA boxes; None: pointer loads
     w_stride: int
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
@@ -47,11 +46,11 @@ class _Layout:
         scale = torch.empty((self.m, 1), dtype=torch.float32, device=x.device)
         self.quant(x2, x2, codes, scale)
         out = torch.empty((self.m, self.n), dtype=self.out_dtype, device=x.device)
-        if self.a_box is None or self.w_box is None:
+        if self.boxes is None:
             a_arg, w_arg = codes, w
         else:
-            a_arg = TensorDescriptor(codes, [self.m, self.k], [self.k, 1], self.a_box)
-            w_arg = TensorDescriptor(w, [self.n, self.k], [self.w_stride, 1], self.w_box)
+            a_arg = TensorDescriptor(codes, [self.m, self.k], [self.k, 1], self.boxes[0])
+            w_arg = TensorDescriptor(w, [self.n, self.k], [self.w_stride, 1], self.boxes[1])
         self.gemm(a_arg, scale, w_arg, w_scale, w_scale if bias is None else bias, out)
         return out.view(*self.lead, self.n)
 
@@ -107,8 +106,7 @@ def _prepare(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_dt
     n, k = w.shape
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    if not gemm.triton_serves(x.device) or m == 0 or n == 0 or not 0 < k <= gemm.MAX_FUSED_ROW \
-            or (x2.stride(1) != 1 and k > 1):
+    if m == 0 or n == 0 or not gemm.quantiser_serves(x2):
         return None
     cfg = gemm.default_config(m, n, k)
     if cfg["tma"] and gemm.tma_blocker(w=w):
@@ -116,5 +114,4 @@ def _prepare(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_dt
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     return _Layout(lead=tuple(x.shape[:-1]), m=m, k=k, n=n, out_dtype=out_dtype,
                    quant=gemm.repeat_quant(x2, activation), gemm=gemm.repeat_gemm(m, n, k, w, bias is not None, cfg),
-                   a_box=[bm, bk] if cfg["tma"] else None, w_box=[bn, bk] if cfg["tma"] else None,
-                   w_stride=w.stride(0))
+                   boxes=([bm, bk], [bn, bk]) if cfg["tma"] else None, w_stride=w.stride(0))
