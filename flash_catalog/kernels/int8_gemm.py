@@ -253,7 +253,7 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _program_budget(device: torch.device) -> int:
+def program_budget(device: torch.device) -> int:
     """Programs a persistent launch keeps resident: one per SM (a few under the interpreter, to walk tiles)."""
     if device.type == "cuda":
         return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
@@ -377,8 +377,8 @@ def quantize_weight_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # GEMM
 # --------------------------------------------------------------------------------------------------------------------
 
-def _check_matmul(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                  bias: torch.Tensor | None, out_dtype: torch.dtype) -> None:
+def check_matmul(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                 bias: torch.Tensor | None, out_dtype: torch.dtype) -> None:
     """Raise ValueError naming the bad argument; no operand is copied or made contiguous here."""
     for name, t in (("a", a), ("w", w)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype != torch.int8:
@@ -448,7 +448,7 @@ def tma_blocker(**operands: torch.Tensor) -> str | None:
 def int8_matmul_torch(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                       bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """Reference and CPU path of `int8_matmul`: exact int32 `torch._int_mm`, then the kernel's fp32 epilogue."""
-    _check_matmul(a, a_scale, w, w_scale, bias, out_dtype)
+    check_matmul(a, a_scale, w, w_scale, bias, out_dtype)
     m, n = a.shape[0], w.shape[0]
     if m == 0 or n == 0 or a.shape[1] == 0:
         acc = torch.zeros((m, n), dtype=torch.int32, device=a.device)
@@ -477,7 +477,7 @@ def int8_matmul(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
     in fp32, then casts. `config` (keys of `CONFIGS`' entries, partial allowed) overrides `default_config(M, N, K)`;
     an explicit `tma=True` on operands TMA cannot address is an error, the default then falls back to pointer loads.
     One Triton kernel on CUDA (or CPU under TRITON_INTERPRET=1); otherwise `int8_matmul_torch`, the same bits."""
-    _check_matmul(a, a_scale, w, w_scale, bias, out_dtype)
+    check_matmul(a, a_scale, w, w_scale, bias, out_dtype)
     (m, k), n = a.shape, w.shape[0]
     cfg = _resolve_config(config, m, n, k)
     if not triton_serves(a.device) or m == 0 or n == 0 or k == 0:
@@ -497,7 +497,7 @@ def int8_matmul_traceable(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tenso
     launches the kernel from its own code, at a fraction of a Python launch's host time. wrap_triton passes no
     `enable_fp_fusion`, so the epilogue may contract a multiply-add and round an ulp apart from `int8_matmul`. CPU
     tensors: `int8_matmul_torch`."""
-    _check_matmul(a, a_scale, w, w_scale, bias, out_dtype)
+    check_matmul(a, a_scale, w, w_scale, bias, out_dtype)
     (m, k), n = a.shape, w.shape[0]
     if a.device.type != "cuda" or m == 0 or n == 0 or k == 0:
         return int8_matmul_torch(a, a_scale, w, w_scale, bias, out_dtype)
@@ -541,7 +541,7 @@ def _gemm_args(m: int, n: int, k: int, strides: tuple[int, int, int], device: to
     resolved configuration `cfg`; `strides`: the three row strides (codes, w, out); `options`: launch options."""
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    grid = (min(tiles, _program_budget(device)) if cfg["persistent"] else tiles,)
+    grid = (min(tiles, program_budget(device)) if cfg["persistent"] else tiles,)
     return (grid, (m, n, k, *strides),
             (("HAS_BIAS", has_bias), ("EVEN_K", k % bk == 0), ("USE_TMA", cfg["tma"]),
              ("PERSISTENT", cfg["persistent"]), ("INTERPRETED", interpreted(_int8_matmul_kernel)), ("BLOCK_M", bm),

@@ -1,0 +1,105 @@
+"""The Gluon INT8 GEMM: bit for bit `int8_matmul`'s result on the GPU (ragged tiles, bias, both output dtypes, every
+shipped tile shape); on any machine, that it compiles for sm_90 without register spills, and that operands it cannot
+take are refused by name."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from flash_catalog.kernels import int8_gemm_gluon as gluon_gemm  # noqa: E402
+from flash_catalog.kernels.int8_gemm import int8_matmul_torch  # noqa: E402
+from flash_catalog.kernels.int8_gemm_gluon import GluonTiles, int8_matmul_gluon  # noqa: E402
+
+
+def _operands(m, n, k, *, bias_dtype=None, seed=0, device="cuda"):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8)
+    w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    a_scale = torch.rand(m, 1, generator=g) * 1e-2 + 1e-4
+    w_scale = torch.rand(n, generator=g) * 1e-2 + 1e-4
+    bias = None if bias_dtype is None else torch.randn(n, generator=g).to(bias_dtype)
+    return tuple(None if t is None else t.to(device) for t in (a, a_scale, w, w_scale, bias))
+
+
+def _reference(a, a_scale, w, w_scale, bias, out_dtype):
+    """Exact integer product (int64), then the kernel's epilogue: acc * a_scale * w_scale, + bias, in fp32."""
+    acc = (a.cpu().long() @ w.cpu().long().t()).float()
+    out = acc * a_scale.cpu().reshape(-1, 1) * w_scale.cpu().reshape(-1)
+    if bias is not None:
+        out = out + bias.cpu().float()
+    return out.to(out_dtype)
+
+
+def _ptxas() -> Path | None:
+    found = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    return found if found.exists() else (Path(p) if (p := shutil.which("ptxas")) else None)
+
+
+def _sm90():
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon INT8 kernel is for sm_90")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", gluon_gemm.TILE_CHOICES, ids=str)
+@pytest.mark.parametrize("m,n,k", [(512, 1024, 768), (1000, 1000, 784), (300, 520, 4112)])
+def test_gpu_bits_equal_the_reference(tiles, m, n, k):
+    _sm90()
+    a, a_scale, w, w_scale, bias = _operands(m, n, k, bias_dtype=torch.bfloat16, seed=3)
+    for b in (None, bias, None if bias is None else bias.float()):
+        for out_dtype in (torch.bfloat16, torch.float16):
+            out = int8_matmul_gluon(a, a_scale, w, w_scale, b, out_dtype, tiles)
+            ref = _reference(a, a_scale, w, w_scale, b, out_dtype)
+            assert torch.equal(out.cpu(), ref), f"max diff {(out.cpu().float() - ref.float()).abs().max()}"
+    assert torch.equal(int8_matmul_gluon(a, a_scale, w, w_scale, None, torch.bfloat16, tiles).cpu(),
+                       int8_matmul_torch(a, a_scale, w, w_scale, None, torch.bfloat16).cpu())
+
+
+@pytest.mark.gpu
+def test_gpu_empty_rows_and_refusals():
+    _sm90()
+    a, a_scale, w, w_scale, _ = _operands(0, 256, 256)
+    assert int8_matmul_gluon(a, a_scale, w, w_scale).shape == (0, 256)
+    a, a_scale, w, w_scale, _ = _operands(64, 256, 264)
+    with pytest.raises(ValueError, match="K=260: TMA needs K a positive multiple of 16"):
+        int8_matmul_gluon(a[:, :260], a_scale, w[:, :260], w_scale)
+    with pytest.raises(ValueError, match="out_dtype torch.float32"):
+        int8_matmul_gluon(a, a_scale, w, w_scale, out_dtype=torch.float32)
+
+
+def test_refuses_operands_off_sm90_and_names_the_fallback():
+    a, a_scale, w, w_scale, _ = _operands(64, 64, 64, device="cpu")
+    with pytest.raises(ValueError, match=r"sm_90 .*cpu.*int8_gemm\.int8_matmul"):
+        int8_matmul_gluon(a, a_scale, w, w_scale)
+
+
+def test_tiles_refuse_what_cannot_launch():
+    with pytest.raises(ValueError, match="block_m=96"):
+        GluonTiles(96, 256, 128, 3)
+    with pytest.raises(ValueError, match="shared memory"):
+        GluonTiles(128, 256, 128, 4)
+    with pytest.raises(ValueError, match="block_n=200"):
+        GluonTiles(128, 200, 128, 3)
+
+
+@pytest.mark.parametrize("has_bias", [False, True])
+@pytest.mark.parametrize("tiles", gluon_gemm.TILE_CHOICES, ids=str)
+def test_compiles_for_sm90_without_spills(tiles, has_bias, tmp_path):
+    """Front end, layouts and ptxas, on a machine without a GPU: the kernel at each shipped tile shape compiles for
+    sm_90a and keeps its accumulators in registers (a spill in the main loop would cost the speed it exists for)."""
+    ptxas = _ptxas()
+    if ptxas is None:
+        pytest.skip("no ptxas in the triton wheel or on PATH")
+    import subprocess
+
+    ptx = gluon_gemm.compile_ptx(tiles, has_bias=has_bias)
+    assert ptx.count("wgmma.wait_group.sync.aligned 1") >= 2, "the MMAs must stay asynchronous (one in flight)"
+    src = tmp_path / "k.ptx"
+    src.write_text(ptx)
+    report = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(src), "-o", str(tmp_path / "k.cubin")],
+                            capture_output=True, text=True, check=True).stderr
+    assert "0 bytes spill stores" in report, report
