@@ -71,6 +71,37 @@ def test_gpu_empty_rows_and_refusals():
         int8_matmul_gluon(a, a_scale, w, w_scale, out_dtype=torch.float32)
 
 
+@pytest.mark.gpu
+def test_gpu_choices_measure_once_per_shape_and_keep_the_bits():
+    """The first request of a shape times the Triton kernel's prepared launch and every tile choice's; the fastest
+    is kept and launched from then on, with the reference bits. Under CUDA graph capture nothing is timed or kept."""
+    _sm90()
+    from flash_catalog.kernels.int8_gemm_choice import GEMM_CHOICES, GemmChoices, prepare_gemm
+
+    GEMM_CHOICES.clear()
+    for m, n, k in ((512, 1024, 768), (2048, 3072, 3072)):
+        _, a_scale, w, w_scale, bias = _operands(m, n, k, bias_dtype=torch.bfloat16, seed=m)
+        prepared = prepare_gemm(m, w, w_scale, bias, torch.bfloat16)
+        choice = GEMM_CHOICES.choice(m, w, w_scale, bias, torch.bfloat16)
+        assert prepared.tiles == choice.tiles
+        assert [name for name, _ in choice.timings] == ["triton", *map(str, gluon_gemm.TILE_CHOICES)]
+        assert min(choice.timings, key=lambda t: t[1])[0] == ("triton" if choice.tiles is None else str(choice.tiles))
+        for seed in range(2):
+            a = _operands(m, n, k, seed=seed)[0]
+            assert torch.equal(prepared(a, a_scale, w, w_scale, bias).cpu(),
+                               _reference(a, a_scale, w, w_scale, bias, torch.bfloat16))
+    assert len(GEMM_CHOICES) == 2
+    fresh = GemmChoices()
+    _, _, w, w_scale, _ = _operands(256, 256, 256)
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        captured = fresh.choice(256, w, w_scale, None, torch.bfloat16)
+    assert captured.tiles is None and captured.timings == () and len(fresh) == 0
+    GEMM_CHOICES.clear()
+    assert len(GEMM_CHOICES) == 0
+
+
 def test_refuses_operands_off_sm90_and_names_the_fallback():
     a, a_scale, w, w_scale, _ = _operands(64, 64, 64, device="cpu")
     with pytest.raises(ValueError, match=r"sm_90 .*cpu.*int8_gemm\.int8_matmul"):

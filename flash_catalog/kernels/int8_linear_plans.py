@@ -5,10 +5,11 @@ two launch caches at every call: tens of microseconds of host time per linear, w
 linears (an image model's projections) waits for. `Int8LinearPlans` belongs to one module's weight. The first call
 at a layout (x's shape, strides, dtype, device and 16-byte alignment; the activation; the output dtype) runs
 `int8_linear` itself, with every check and error; later calls at that layout only allocate the codes, scales and
-output, and launch the two kernels through their compiled launchers (`RepeatLaunch`). The bits are
-`int8_linear`'s. A layout the fused kernels do not serve keeps calling `int8_linear`. Another weight, bias or scale
-tensor (a module moved with `.to()`) starts the plans afresh; the plans hold no tensor, so the old ones are freed;
-copies start empty.
+output, and launch the two kernels through their compiled launchers (`RepeatLaunch`): the row quantiser, then the
+GEMM kernel measured fastest at the shape (`int8_gemm_choice`: the Triton kernel or, on sm_90, the Gluon one). The
+bits are `int8_linear`'s. A layout the fused kernels do not serve keeps calling `int8_linear`. Another weight, bias
+or scale tensor (a module moved with `.to()`) starts the plans afresh; the plans hold no tensor, so the old ones are
+freed; copies start empty.
 """
 
 from __future__ import annotations
@@ -18,9 +19,8 @@ from dataclasses import dataclass
 from typing import Hashable
 
 import torch
-from triton.tools.tensor_descriptor import TensorDescriptor
-
 from . import int8_gemm as gemm
+from .int8_gemm_choice import PreparedGemm, prepare_gemm
 from .triton_launch import RepeatLaunch
 
 
@@ -33,11 +33,8 @@ class _Layout:
     m: int
     k: int
     n: int
-    out_dtype: torch.dtype
     quant: RepeatLaunch
-    gemm: RepeatLaunch
-    boxes: tuple[list[int], list[int]] | None  # the codes' and the weight's TMA boxes; None: pointer loads
-    w_stride: int
+    gemm: PreparedGemm
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                  bias: torch.Tensor | None) -> torch.Tensor:
@@ -45,14 +42,7 @@ class _Layout:
         codes = torch.empty((self.m, self.k), dtype=torch.int8, device=x.device)
         scale = torch.empty((self.m, 1), dtype=torch.float32, device=x.device)
         self.quant(x2, x2, codes, scale)
-        out = torch.empty((self.m, self.n), dtype=self.out_dtype, device=x.device)
-        if self.boxes is None:
-            a_arg, w_arg = codes, w
-        else:
-            a_arg = TensorDescriptor(codes, [self.m, self.k], [self.k, 1], self.boxes[0])
-            w_arg = TensorDescriptor(w, [self.n, self.k], [self.w_stride, 1], self.boxes[1])
-        self.gemm(a_arg, scale, w_arg, w_scale, w_scale if bias is None else bias, out)
-        return out.view(*self.lead, self.n)
+        return self.gemm(codes, scale, w, w_scale, bias).view(*self.lead, self.n)
 
 
 def _same(held: weakref.ref | None, t: torch.Tensor | None) -> bool:
@@ -82,7 +72,7 @@ class Int8LinearPlans:
             layout = self._layouts[key]
         except KeyError:
             out = gemm.int8_linear(x, w, w_scale, bias, out_dtype, activation)  # every check, every error
-            self._layouts[key] = _prepare(x, w, bias, out_dtype, activation)
+            self._layouts[key] = _prepare(x, w, w_scale, bias, out_dtype, activation)
             return out
         if layout is None:
             return gemm.int8_linear(x, w, w_scale, bias, out_dtype, activation)
@@ -99,19 +89,15 @@ class Int8LinearPlans:
         return Int8LinearPlans, ()
 
 
-def _prepare(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
-             activation: str | None) -> _Layout | None:
-    """The launches `int8_linear` made for this call, fixed; None where it took a torch path (no rows, rows the
-    fused quantiser does not take, a device the kernels do not serve). Called after that call succeeded."""
+def _prepare(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+             out_dtype: torch.dtype, activation: str | None) -> _Layout | None:
+    """The launches for this call's layout, fixed: the row quantiser, then the GEMM kernel `GEMM_CHOICES` measures
+    fastest at the shape (the same bits as `int8_linear`'s); None where `int8_linear` took a torch path (no rows,
+    rows the fused quantiser does not take, a device the kernels do not serve). Called after that call succeeded."""
     n, k = w.shape
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     if m == 0 or n == 0 or not gemm.quantiser_serves(x2):
         return None
-    cfg = gemm.default_config(m, n, k)
-    if cfg["tma"] and gemm.tma_blocker(w=w):
-        cfg["tma"] = False  # the codes are a fresh allocation, aligned, of rows K % 16 == 0 where tma is asked
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    return _Layout(lead=tuple(x.shape[:-1]), m=m, k=k, n=n, out_dtype=out_dtype,
-                   quant=gemm.repeat_quant(x2, activation), gemm=gemm.repeat_gemm(m, n, k, w, bias is not None, cfg),
-                   boxes=([bm, bk], [bn, bk]) if cfg["tma"] else None, w_stride=w.stride(0))
+    return _Layout(lead=tuple(x.shape[:-1]), m=m, k=k, n=n, quant=gemm.repeat_quant(x2, activation),
+                   gemm=prepare_gemm(m, w, w_scale, bias, out_dtype))
