@@ -1,7 +1,8 @@
 """tools/bench_model.py, tools/bench_drift.py and tools/bench_tirex2.py at their tiny sizes on the CPU: the image
 hosts' rows, the torchao peer recorded as skipped with its reason where it cannot run (no CUDA here, torchao a
 benchmark-only extra), the drift check's cosine and PSNR fields, TiRex-2's host timed again after detach. Eager rows
-only: a compiled row on the CPU costs a minute of inductor."""
+only: a compiled row on the CPU costs a minute of inductor. tools/bench_gemm_gluon.py refuses a machine without an
+sm_90 GPU by name."""
 
 import json
 import math
@@ -15,6 +16,7 @@ pytest.importorskip("diffusers")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 
 import bench_drift  # noqa: E402
+import bench_gemm_gluon  # noqa: E402
 import bench_model  # noqa: E402
 import step_trace  # noqa: E402
 
@@ -164,3 +166,13 @@ def test_step_trace_counts_overlapping_device_work_once_and_the_gaps_as_idle():
     assert t.span_ms == pytest.approx(2.0) and t.idle_ms == pytest.approx(0.7)
     assert t.top == (("gemm", pytest.approx(0.9), 2), ("attn", pytest.approx(0.3), 1))
     assert step_trace.summarise([{"cat": "cpu_op", "name": "x", "ts": 0, "dur": 1}]) is None
+
+
+def test_bench_gemm_gluon_names_what_it_needs_and_checks_its_shapes(capsys):
+    if bench_model.torch.cuda.is_available() and bench_model.torch.cuda.get_device_capability() == (9, 0):
+        pytest.skip("an sm_90 GPU is here: the tool would run")
+    assert bench_gemm_gluon.main(["--shapes", "256,256,256"]) == 2
+    assert "needs an sm_90 GPU" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_gemm_gluon.main(["--shapes", "256,256"])
+    assert "a shape is M,K,N" in capsys.readouterr().err
