@@ -14,6 +14,8 @@ from flash_catalog.kernels.int8_gemm import (CONFIGS, MAX_K, default_config, int
                                              int8_matmul_torch, quantize_rows_int8, quantize_rows_int8_torch,
                                              quantize_weight_int8, triton_serves)
 
+from int8_operands import operands, reference  # noqa: E402
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # small tiles so that a 37 x 50 x 80 product has ragged M, N and K tiles and several K steps
 SMALL = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2, "num_warps": 4, "num_stages": 2}
@@ -22,22 +24,7 @@ VARIANTS = {"pointers": {"tma": False, "persistent": False}, "pointers_persisten
 
 
 def _operands(m, n, k, *, bias_dtype=None, seed=0, device=DEVICE):
-    g = torch.Generator().manual_seed(seed)
-    a = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8)
-    w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
-    a_scale = torch.rand(m, 1, generator=g) * 1e-2 + 1e-4
-    w_scale = torch.rand(n, generator=g) * 1e-2 + 1e-4
-    bias = None if bias_dtype is None else torch.randn(n, generator=g).to(bias_dtype)
-    return tuple(None if t is None else t.to(device) for t in (a, a_scale, w, w_scale, bias))
-
-
-def _reference(a, a_scale, w, w_scale, bias, out_dtype):
-    """Exact integer product (int64), then the kernel's epilogue: acc * a_scale * w_scale, + bias, in fp32."""
-    acc = (a.cpu().long() @ w.cpu().long().t()).float()
-    out = acc * a_scale.cpu().reshape(-1, 1) * w_scale.cpu().reshape(-1)
-    if bias is not None:
-        out = out + bias.cpu().float()
-    return out.to(out_dtype)
+    return operands(m, n, k, bias_dtype=bias_dtype, seed=seed, device=device)
 
 
 def _assert_same(out, ref):
@@ -63,7 +50,7 @@ def test_matmul_ragged_tiles_bit_exact(variant, out_dtype, bias_dtype):
     clones = [t.clone() for t in (a, a_scale, w, w_scale, bias) if t is not None]
     out = int8_matmul(a, a_scale, w, w_scale, bias, out_dtype, config={**SMALL, **VARIANTS[variant]})
     assert all(torch.equal(t, c) for t, c in zip([t for t in (a, a_scale, w, w_scale, bias) if t is not None], clones))
-    ref = _reference(a, a_scale, w, w_scale, bias, out_dtype)
+    ref = reference(a, a_scale, w, w_scale, bias, out_dtype)
     _assert_same(out, ref)
     _assert_same(int8_matmul_torch(a, a_scale, w, w_scale, bias, out_dtype), ref)
 
@@ -74,7 +61,7 @@ def test_matmul_even_and_odd_shapes(m, n, k):
     than tiles of a persistent grid; fp32 output and an fp32 bias, (M,) / (1, N) scale shapes."""
     a, a_scale, w, w_scale, bias = _operands(m, n, k, bias_dtype=torch.float32, seed=1)
     a_scale, w_scale = a_scale.reshape(-1), w_scale.reshape(1, -1)
-    ref = _reference(a, a_scale, w, w_scale, bias, torch.float32)
+    ref = reference(a, a_scale, w, w_scale, bias, torch.float32)
     for variant in ("pointers", "tma_persistent"):
         cfg = {**SMALL, **VARIANTS[variant], "tma": VARIANTS[variant]["tma"] and k % 16 == 0}
         _assert_same(int8_matmul(a, a_scale, w, w_scale, bias, torch.float32, config=cfg), ref)
@@ -84,7 +71,7 @@ def test_matmul_default_config_falls_back_to_pointer_loads_without_tma_alignment
     a, a_scale, w, w_scale, _ = _operands(20, 24, 40)  # K=40: rows of 40 bytes, not a TMA stride
     cfg = {k: v for k, v in SMALL.items() if k != "num_stages"}
     out = int8_matmul(a, a_scale, w, w_scale, None, torch.bfloat16, config=cfg)
-    _assert_same(out, _reference(a, a_scale, w, w_scale, None, torch.bfloat16))
+    _assert_same(out, reference(a, a_scale, w, w_scale, None, torch.bfloat16))
     with pytest.raises(ValueError, match="config asks for tma=True but a needs a 16-byte aligned base and row stride"):
         int8_matmul(a, a_scale, w, w_scale, None, torch.bfloat16, config={**SMALL, "tma": True})
 
@@ -95,7 +82,7 @@ def test_matmul_padded_rows_and_empty_shapes():
     wide_a = torch.zeros(30, 96, dtype=torch.int8, device=DEVICE)
     wide_a[:, :64] = a
     out = int8_matmul(wide_a[:, :64], a_scale, w, w_scale, bias, torch.bfloat16, config={**SMALL, "tma": False})
-    _assert_same(out, _reference(a, a_scale, w, w_scale, bias, torch.bfloat16))
+    _assert_same(out, reference(a, a_scale, w, w_scale, bias, torch.bfloat16))
     empty = int8_matmul(a[:0], a_scale[:0], w, w_scale, None, torch.bfloat16)
     assert empty.shape == (0, 40)
     no_k = int8_matmul(a[:, :0], a_scale, w[:, :0], w_scale, bias, torch.float32)
@@ -238,7 +225,7 @@ def test_gpu_configs_exact(config, m, n, k):
     cfg = None if config is None else {**config, "tma": config["tma"] and k % 16 == 0}
     for b in (None, bias):
         out = int8_matmul(a, a_scale, w, w_scale, b, torch.bfloat16, config=cfg)
-        _assert_same(out, _reference(a, a_scale, w, w_scale, b, torch.bfloat16))
+        _assert_same(out, reference(a, a_scale, w, w_scale, b, torch.bfloat16))
 
 
 @pytest.mark.gpu
@@ -264,7 +251,7 @@ def test_repeated_launches_of_one_shape_stay_exact_and_share_a_plan(variant):
     for seed in range(3):
         a, a_scale, w, w_scale, bias = _operands(37, 50, 80, bias_dtype=torch.bfloat16, seed=seed)
         _assert_same(int8_matmul(a, a_scale, w, w_scale, bias, torch.bfloat16, config=config),
-                     _reference(a, a_scale, w, w_scale, bias, torch.bfloat16))
+                     reference(a, a_scale, w, w_scale, bias, torch.bfloat16))
     assert len(GEMM_LAUNCHES) == 1
     g = torch.Generator().manual_seed(0)
     rows = torch.randn(9, 161, generator=g).to(DEVICE, torch.bfloat16)

@@ -13,25 +13,11 @@ triton = pytest.importorskip("triton")
 from flash_catalog.kernels import int8_gemm_gluon as gluon_gemm  # noqa: E402
 from flash_catalog.kernels.int8_gemm import int8_matmul_torch  # noqa: E402
 from flash_catalog.kernels.int8_gemm_gluon import GluonTiles, int8_matmul_gluon  # noqa: E402
+from int8_operands import operands, reference  # noqa: E402
 
 
 def _operands(m, n, k, *, bias_dtype=None, seed=0, device="cuda"):
-    g = torch.Generator().manual_seed(seed)
-    a = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8)
-    w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
-    a_scale = torch.rand(m, 1, generator=g) * 1e-2 + 1e-4
-    w_scale = torch.rand(n, generator=g) * 1e-2 + 1e-4
-    bias = None if bias_dtype is None else torch.randn(n, generator=g).to(bias_dtype)
-    return tuple(None if t is None else t.to(device) for t in (a, a_scale, w, w_scale, bias))
-
-
-def _reference(a, a_scale, w, w_scale, bias, out_dtype):
-    """Exact integer product (int64), then the kernel's epilogue: acc * a_scale * w_scale, + bias, in fp32."""
-    acc = (a.cpu().long() @ w.cpu().long().t()).float()
-    out = acc * a_scale.cpu().reshape(-1, 1) * w_scale.cpu().reshape(-1)
-    if bias is not None:
-        out = out + bias.cpu().float()
-    return out.to(out_dtype)
+    return operands(m, n, k, bias_dtype=bias_dtype, seed=seed, device=device)
 
 
 def _ptxas() -> Path | None:
@@ -47,13 +33,13 @@ def _sm90():
 @pytest.mark.gpu
 @pytest.mark.parametrize("tiles", gluon_gemm.TILE_CHOICES, ids=str)
 @pytest.mark.parametrize("m,n,k", [(512, 1024, 768), (1000, 1000, 784), (300, 520, 4112)])
-def test_gpu_bits_equal_the_reference(tiles, m, n, k):
+def test_gpu_bits_equal_thereference(tiles, m, n, k):
     _sm90()
     a, a_scale, w, w_scale, bias = _operands(m, n, k, bias_dtype=torch.bfloat16, seed=3)
     for b in (None, bias, None if bias is None else bias.float()):
         for out_dtype in (torch.bfloat16, torch.float16):
             out = int8_matmul_gluon(a, a_scale, w, w_scale, b, out_dtype, tiles)
-            ref = _reference(a, a_scale, w, w_scale, b, out_dtype)
+            ref = reference(a, a_scale, w, w_scale, b, out_dtype)
             assert torch.equal(out.cpu(), ref), f"max diff {(out.cpu().float() - ref.float()).abs().max()}"
     assert torch.equal(int8_matmul_gluon(a, a_scale, w, w_scale, None, torch.bfloat16, tiles).cpu(),
                        int8_matmul_torch(a, a_scale, w, w_scale, None, torch.bfloat16).cpu())
@@ -89,7 +75,7 @@ def test_gpu_choices_measure_once_per_shape_and_keep_the_bits():
         for seed in range(2):
             a = _operands(m, n, k, seed=seed)[0]
             assert torch.equal(prepared(a, a_scale, w, w_scale, bias).cpu(),
-                               _reference(a, a_scale, w, w_scale, bias, torch.bfloat16))
+                               reference(a, a_scale, w, w_scale, bias, torch.bfloat16))
     assert len(GEMM_CHOICES) == 2
     fresh = GemmChoices()
     _, _, w, w_scale, _ = _operands(256, 256, 256)
