@@ -76,7 +76,7 @@ def _prepared(m: int, w: torch.Tensor, bias: torch.Tensor | None, out_dtype: tor
 @dataclass(frozen=True)
 class GemmChoice:
     """The kernel a shape runs: `tiles` None for the Triton kernel; `timings` (name, ms per call) of each candidate
-    timed (empty where only the Triton kernel could run)."""
+    timed (inf: it failed to compile or launch; empty where only the Triton kernel could run)."""
     tiles: Any  # int8_gemm_gluon.GluonTiles | None
     timings: tuple[tuple[str, float], ...] = ()
 
@@ -119,10 +119,16 @@ class GemmChoices:
         candidates = (None, *gluon_gemm.TILE_CHOICES)
         timings = []
         for tiles in candidates:
-            run = _prepared(m, w, bias, out_dtype, tiles)
-            for _ in range(2):  # the JIT's compile and launch, then the direct launcher's first call
-                run(a, a_scale, w, w_scale, bias)
-            torch.cuda.synchronize(w.device)
+            try:
+                run = _prepared(m, w, bias, out_dtype, tiles)
+                for _ in range(2):  # the JIT's compile and launch, then the direct launcher's first call
+                    run(a, a_scale, w, w_scale, bias)
+                torch.cuda.synchronize(w.device)
+            except Exception:  # noqa: BLE001 - a Gluon candidate that fails to compile is not chosen
+                if tiles is None:
+                    raise
+                timings.append((str(tiles), float("inf")))
+                continue
             start = time.perf_counter()
             for _ in range(self.rounds):
                 run(a, a_scale, w, w_scale, bias)
