@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Hashable
 
 import torch
+
 from . import int8_gemm as gemm
 from .int8_gemm_choice import PreparedGemm, prepare_gemm
 from .triton_launch import RepeatLaunch
