@@ -24,11 +24,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .int8_gemm import check_matmul, program_budget
+from .int8_gemm import SMEM_BYTES, check_matmul, program_budget, tma_blocker
 from .triton_launch import LaunchCache, RepeatLaunch
 
 GLUON_OUT_DTYPES = (torch.bfloat16, torch.float16)
-SMEM_BYTES = 232448  # shared memory per block on sm_90 (227 KiB)
 
 
 @dataclass(frozen=True)
@@ -118,7 +117,6 @@ def _consume(args, wg: gl.constexpr):
             mbarrier.wait(turn.index(wg), (j & 1) ^ (1 - wg))  # warpgroup 0's first turn is free
         else:
             it = j * k_tiles
-        a_slot = 0
         acc = gl.zeros([ROWS, BLOCK_N], gl.int32, acc_layout)
         for ki in range(k_tiles):
             slot = it % STAGES
@@ -238,11 +236,12 @@ def gluon_blocker(a: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> s
     if out_dtype not in GLUON_OUT_DTYPES:
         return f"out_dtype {out_dtype} (the Gluon kernel writes bf16 or fp16)"
     k = a.shape[1]
-    if k == 0 or k % 16 or a.stride(1) != 1 or w.stride(1) != 1 or a.stride(0) % 16 or w.stride(0) % 16:
-        return (f"K={k}: TMA needs K a positive multiple of 16 and unit-stride rows at 16-byte strides (a strides "
-                f"{a.stride()}, w strides {w.stride()})")
-    if a.data_ptr() % 16 or w.data_ptr() % 16:
-        return "TMA needs 16-byte aligned base addresses"
+    if k == 0 or k % 16 or a.stride(1) != 1 or w.stride(1) != 1:
+        return (f"K={k}: TMA needs K a positive multiple of 16 and unit-stride rows (a strides {a.stride()}, w "
+                f"strides {w.stride()})")
+    blocker = tma_blocker(a=a, w=w)  # 16-byte aligned bases and row strides
+    if blocker is not None:
+        return blocker
     if w.shape[0] % 8:
         return f"N={w.shape[0]}: the output's rows must be 16-byte multiples for its TMA store"
     return None
