@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Hashable
+from enum import Enum
+from typing import Any, Callable, Hashable
 
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import int8_gemm as gemm
+from .tma_launch import TmaLauncher
 from .triton_launch import RepeatLaunch
 
 try:
@@ -30,13 +32,14 @@ try:
 except ImportError:  # a triton without Gluon's Hopper dialect: the Triton kernel serves every shape
     gluon_gemm = None  # type: ignore[assignment]
 
-__all__ = ["GemmChoice", "GemmChoices", "GEMM_CHOICES", "PreparedGemm", "prepare_gemm"]
+__all__ = ["Clock", "COMPILED_CHOICES", "GemmChoice", "GemmChoices", "GEMM_CHOICES", "PreparedGemm", "prepare_gemm"]
 
 
 @dataclass(eq=False)
 class PreparedGemm:
     """Fresh row-major codes (m, K) times a weight (N, K) -> a new (m, N) `out_dtype` on one kernel, its launch fixed
-    (`RepeatLaunch`). It holds no tensor: the operands come with each call."""
+    (`RepeatLaunch`; the Gluon kernel's, after its first call, through its C launcher: `TmaLauncher`). It holds no
+    tensor: the operands come with each call."""
     m: int
     n: int
     k: int
@@ -44,13 +47,24 @@ class PreparedGemm:
     launch: RepeatLaunch
     tiles: Any = None  # int8_gemm_gluon.GluonTiles: the Gluon kernel; None: the Triton kernel
     boxes: tuple[list[int], list[int]] | None = None  # the Triton kernel's TMA boxes (codes, weight); None: pointers
+    _tma: TmaLauncher | None = field(default=None, init=False, repr=False)  # the Gluon kernel's bare launcher
+    _tma_tried: bool = field(default=False, init=False, repr=False)
 
     def __call__(self, codes: torch.Tensor, scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                  bias: torch.Tensor | None) -> torch.Tensor:
         out = torch.empty((self.m, self.n), dtype=self.out_dtype, device=codes.device)
         last = w_scale if bias is None else bias
         if self.tiles is not None:
+            fast = self._tma
+            if fast is not None and not fast.hooked():
+                m, n, k = self.m, self.n, self.k
+                fast(*fast.encode(0, codes, (m, k), (k, 1)), *fast.encode(1, w, (n, k), (w.stride(0), 1)),
+                     *fast.encode(2, out, (m, n), (n, 1)), scale, w_scale, last, *self.launch.tail)
+                return out
             self.launch(*gluon_gemm.descriptors(codes, w, out, self.tiles), scale, w_scale, last)
+            if not self._tma_tried and self.launch.compiled is not None:
+                self._tma_tried = True
+                self._tma = TmaLauncher.from_compiled(self.launch.compiled, self.launch.grid, codes.device.index)
         elif self.boxes is None:
             self.launch(codes, scale, w, w_scale, last, out)
         else:
@@ -85,10 +99,25 @@ def _key(m: int, w: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dt
     return (m, *w.shape, w.stride(0), w.data_ptr() % 16, None if bias is None else bias.dtype, out_dtype, w.device)
 
 
+class Clock(Enum):
+    """What a choice measures: the wall clock of back-to-back calls (an eager call, whose host time the step waits
+    for where it exceeds the GPU's), or the GPU's time alone, the calls queued behind a spin (a launch inside a
+    compiled graph, whose host time the busy GPU hides)."""
+    WALL = "wall"
+    GPU = "gpu"
+
+
+SPIN_CYCLES_PER_CALL = 400_000
+"""The GPU clock's spin per timed call (~0.2 ms at the H200's clock): longer than any prepared launch's host time,
+so every timed call is queued before the first runs."""
+
+
 @dataclass(eq=False)
 class GemmChoices:
     """Choices by shape (M, the weight's shape, stride and alignment, the bias dtype, the output dtype, the device),
-    each candidate timed over `rounds` calls after two warm-up calls; at most `limit` kept, then it starts afresh."""
+    each candidate timed by `clock` over `rounds` calls after two warm-up calls; at most `limit` kept, then it
+    starts afresh."""
+    clock: Clock = Clock.WALL
     rounds: int = 10
     limit: int = 256
     _chosen: dict[Hashable, GemmChoice] = field(default_factory=dict, init=False, repr=False)
@@ -129,14 +158,27 @@ class GemmChoices:
                     raise
                 timings.append((str(tiles), float("inf")))
                 continue
-            start = time.perf_counter()
-            for _ in range(self.rounds):
-                run(a, a_scale, w, w_scale, bias)
-            torch.cuda.synchronize(w.device)
             timings.append(("triton" if tiles is None else str(tiles),
-                            (time.perf_counter() - start) * 1e3 / self.rounds))
+                            self._time(lambda: run(a, a_scale, w, w_scale, bias), w.device)))
         best = min(range(len(candidates)), key=lambda i: timings[i][1])
         return GemmChoice(candidates[best], tuple(timings))
+
+    def _time(self, call: Callable[[], object], device: torch.device) -> float:
+        """Milliseconds per call by `clock`."""
+        if self.clock is Clock.GPU:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(SPIN_CYCLES_PER_CALL * self.rounds)
+            begin.record()
+            for _ in range(self.rounds):
+                call()
+            end.record()
+            end.synchronize()
+            return begin.elapsed_time(end) / self.rounds
+        start = time.perf_counter()
+        for _ in range(self.rounds):
+            call()
+        torch.cuda.synchronize(device)
+        return (time.perf_counter() - start) * 1e3 / self.rounds
 
     def clear(self) -> None:
         self._chosen.clear()
@@ -146,10 +188,13 @@ class GemmChoices:
 
 
 GEMM_CHOICES = GemmChoices()
+"""Eager linears' choices (`Int8LinearPlans`), by the wall clock."""
+COMPILED_CHOICES = GemmChoices(Clock.GPU)
+"""Traced linears' choices (`linear_ops.int8_matmul_prepared`), by the GPU's time."""
 
 
 def prepare_gemm(m: int, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-                 out_dtype: torch.dtype) -> PreparedGemm:
+                 out_dtype: torch.dtype, choices: GemmChoices = GEMM_CHOICES) -> PreparedGemm:
     """The launch for fresh row-major codes (m, K) times `w` on a CUDA device (or CPU under Triton's interpreter):
-    the kernel `GEMM_CHOICES` measures fastest at the shape; the Triton kernel where the Gluon one cannot serve."""
-    return _prepared(m, w, bias, out_dtype, GEMM_CHOICES.choice(m, w, w_scale, bias, out_dtype).tiles)
+    the kernel `choices` measures fastest at the shape; the Triton kernel where the Gluon one cannot serve."""
+    return _prepared(m, w, bias, out_dtype, choices.choice(m, w, w_scale, bias, out_dtype).tiles)

@@ -39,13 +39,20 @@ class RepeatLaunch:
     meta: dict[str, Any]
     _direct: Callable[..., None] | None = field(default=None, init=False, repr=False)
     _constexprs: tuple[Any, ...] = field(default=(), init=False, repr=False)
-    _device: torch.device | None = field(default=None, init=False, repr=False)
+    _device_index: int = field(default=0, init=False, repr=False)
+    compiled: Any = field(default=None, init=False, repr=False)  # the JIT's CompiledKernel, once the direct path runs
+
+    @property
+    def tail(self) -> tuple[Any, ...]:
+        """The arguments after the tensors, constexprs included, as the compiled launcher takes them (once
+        `compiled` is set)."""
+        return (*self.scalars, *self._constexprs)
 
     def __call__(self, *tensors: Any) -> None:
         """Launch on `tensors` (tensors, or host-side tensor descriptors, or None where the kernel takes it)."""
         if self._direct is not None:
             self._direct(*tensors, *self.scalars, *self._constexprs,
-                         stream=torch.cuda.current_stream(self._device).cuda_stream)
+                         stream=torch._C._cuda_getCurrentRawStream(self._device_index))
             return
         compiled = self.fn[self.grid](*tensors, *self.scalars, **self.meta)
         if interpreted(self.fn) or compiled is None or not hasattr(compiled, "__getitem__"):
@@ -58,7 +65,10 @@ class RepeatLaunch:
         if any(name not in self.meta for name in named):
             return  # a parameter left to its default: keep the JIT, which knows it
         self._constexprs = tuple(self.meta[name] for name in named)
-        self._device = next((d for d in map(_device_of, tensors) if d is not None), None)  # None: the current one
+        device = next((d for d in map(_device_of, tensors) if d is not None), None)
+        self._device_index = device.index if device is not None and device.index is not None \
+            else torch.cuda.current_device()
+        self.compiled = compiled
         self._direct = compiled[(*self.grid, 1, 1)[:3]]  # the compiled kernel's runner indexes three grid axes
 
 
