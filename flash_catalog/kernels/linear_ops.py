@@ -59,6 +59,8 @@ def _traceable(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: 
         from .int8_gemm import quantize_rows_int8_torch
 
         codes, scale = quantize_rows_int8_torch(x2, None, activation)
+        if _prepared_rows(x2.shape[0], w_q.device):
+            return torch.ops.flash_catalog.int8_matmul_prepared(codes, scale, w_q, w_scale, bias, out_dtype)
         return int8_matmul(codes, scale, w_q, w_scale, bias, out_dtype)
 
     return over_rows(x, w_q.shape[1], w_q.shape[0], out_dtype, product)
@@ -83,6 +85,87 @@ if not hasattr(torch.library, "triton_op"):  # a custom op needs its fake; a tri
     def _(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
           out_dtype: torch.dtype) -> torch.Tensor:
         return _rows_out(a, w.shape[0], out_dtype)
+
+
+TRACED_INT8_ENV = "FLASH_CATALOG_TRACED_INT8"
+"""Which op a traced INT8 GEMM becomes, read when a graph is traced: "auto" (default: `int8_matmul_prepared` at
+`PREPARED_MIN_ROWS` rows or more on a GPU the Gluon kernel serves, else `int8_matmul`) or "triton_op" (always
+`int8_matmul`, whose Triton kernel inductor launches)."""
+PREPARED_MIN_ROWS = 1024
+"""Fewer rows than this keep the Triton op: the Gluon kernel's tiles gain nothing there (BENCHMARKS.md)."""
+
+
+def _prepared_rows(m: object, device: torch.device) -> bool:
+    """Whether a traced GEMM of `m` rows on `device` becomes `int8_matmul_prepared`."""
+    if not isinstance(m, int) or m < PREPARED_MIN_ROWS or device.type != "cuda":
+        return False
+    return _gluon_traced(-1 if device.index is None else device.index)
+
+
+@torch.compiler.assume_constant_result
+def _gluon_traced(index: int) -> bool:
+    """The policy (`TRACED_INT8_ENV`) and whether the Gluon kernel serves CUDA device `index` (-1: the current
+    one): a constant to the tracer, which runs it once instead of tracing it."""
+    import os
+
+    policy = os.environ.get(TRACED_INT8_ENV, "auto")
+    if policy not in ("auto", "triton_op"):
+        raise ValueError(f"{TRACED_INT8_ENV}={policy!r}; allowed: 'auto', 'triton_op'")
+    if policy == "triton_op" or not torch.cuda.is_available():
+        return False
+    try:
+        from .int8_gemm_gluon import serves_device
+    except ImportError:  # a triton without Gluon's Hopper dialect
+        return False
+    return serves_device(torch.device("cuda", torch.cuda.current_device() if index < 0 else index))
+
+
+_LIB = torch.library.Library("flash_catalog", "FRAGMENT")
+_LIB.define("int8_matmul_prepared(Tensor a, Tensor a_scale, Tensor w, Tensor w_scale, Tensor? bias, "
+            "ScalarType out_dtype) -> Tensor")
+_PREPARED: dict[tuple, object] = {}  # operand layout -> int8_gemm_choice.PreparedGemm (None: not served)
+
+
+def _int8_matmul_prepared(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                          bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """`int8_matmul`'s bits on the kernel `COMPILED_CHOICES` measured fastest at the shape (by the GPU's time),
+    launched through its prepared launcher: the checks once per operand layout. Defined on a `Library` (no
+    autograd layer): a few microseconds of dispatch where the compiled graph calls it."""
+    key = (a.shape, a.stride(), a.data_ptr() % 16, a_scale.shape, a_scale.stride(), w.shape, w.stride(),
+           w.data_ptr() % 16, None if bias is None else (bias.dtype, bias.stride()), out_dtype, a.device)
+    try:
+        prepared = _PREPARED[key]
+    except KeyError:
+        from .int8_gemm import check_matmul, tma_blocker
+        from .int8_gemm_choice import COMPILED_CHOICES, prepare_gemm
+
+        check_matmul(a, a_scale, w, w_scale, bias, out_dtype)
+        served = a.is_cuda and a.stride() == (a.shape[1], 1) and a_scale.is_contiguous() and a.numel() > 0 \
+            and w.numel() > 0 and tma_blocker(a=a) is None
+        prepared = prepare_gemm(a.shape[0], w, w_scale, bias, out_dtype, COMPILED_CHOICES) if served else None
+        if len(_PREPARED) >= 256:
+            _PREPARED.clear()
+        _PREPARED[key] = prepared
+    if prepared is None:
+        from .int8_gemm import int8_matmul as checked
+
+        return checked(a, a_scale, w, w_scale, bias, out_dtype)
+    return prepared(a, a_scale, w, w_scale, bias)  # type: ignore[operator]
+
+
+def clear_prepared() -> None:
+    """Forget the traced GEMMs' prepared launches (the choices stay in `COMPILED_CHOICES`)."""
+    _PREPARED.clear()
+
+
+for _key_name in ("CUDA", "CPU"):  # CPU: the checked torch path (no kernel to prepare)
+    _LIB.impl("int8_matmul_prepared", _int8_matmul_prepared, _key_name)
+
+
+@torch.library.register_fake("flash_catalog::int8_matmul_prepared", lib=_LIB)
+def _(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+      out_dtype: torch.dtype) -> torch.Tensor:
+    return _rows_out(a, w.shape[0], out_dtype)
 
 
 @torch.library.custom_op("flash_catalog::nvfp4_linear", mutates_args=())

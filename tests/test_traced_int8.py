@@ -1,0 +1,145 @@
+"""Traced INT8 GEMMs: `flash_catalog::int8_matmul_prepared` (the Gluon kernel measured fastest, launched through its
+bare C launcher) where a compiled graph has many rows on sm_90, the inductor-launched Triton op elsewhere; both give
+the exact reference's bits. On the CPU: the policy, its refusal of a bad setting, the op's checked torch path, and
+a compiled linear that still has no graph break."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from flash_catalog.kernels import linear_ops  # noqa: E402
+from flash_catalog.kernels.int8_gemm import int8_matmul_torch, quantize_weight_int8  # noqa: E402
+from int8_operands import operands, reference  # noqa: E402
+
+prepared_op = torch.ops.flash_catalog.int8_matmul_prepared.default
+
+
+def _ops_in(graph_module) -> list[str]:
+    return [str(n.target) for n in graph_module.graph.nodes if n.op == "call_function"]
+
+
+def test_policy_keeps_the_triton_op_off_hopper_and_below_the_row_floor(monkeypatch):
+    monkeypatch.delenv(linear_ops.TRACED_INT8_ENV, raising=False)
+    cpu, rows = torch.device("cpu"), linear_ops.PREPARED_MIN_ROWS
+    assert not linear_ops._prepared_rows(rows, cpu)
+    assert not linear_ops._prepared_rows(rows - 1, torch.device("cuda", 0))
+    monkeypatch.setenv(linear_ops.TRACED_INT8_ENV, "triton_op")
+    assert not linear_ops._gluon_traced(0)
+
+
+def test_policy_names_a_bad_setting_and_the_allowed_ones(monkeypatch):
+    monkeypatch.setenv(linear_ops.TRACED_INT8_ENV, "fastest")
+    with pytest.raises(ValueError, match=r"FLASH_CATALOG_TRACED_INT8='fastest'; allowed: 'auto', 'triton_op'"):
+        linear_ops._gluon_traced(0)
+
+
+def test_prepared_op_on_cpu_is_the_checked_torch_path_and_its_fake_the_output_shape():
+    a, a_scale, w, w_scale, bias = operands(40, 24, 32, bias_dtype=torch.bfloat16, seed=5)
+    linear_ops.clear_prepared()
+    out = prepared_op(a, a_scale, w, w_scale, bias, torch.bfloat16)
+    assert torch.equal(out, int8_matmul_torch(a, a_scale, w, w_scale, bias, torch.bfloat16))
+    assert torch.equal(out, reference(a, a_scale, w, w_scale, bias, torch.bfloat16))
+    with pytest.raises(ValueError, match="w_scale"):
+        prepared_op(a, a_scale, w, w_scale[:5], bias, torch.bfloat16)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fake = prepared_op(*(mode.from_tensor(t) for t in (a, a_scale, w, w_scale, bias)), torch.float16)
+    assert fake.shape == (40, 24) and fake.dtype == torch.float16
+    linear_ops.clear_prepared()
+
+
+def test_compiled_linear_on_cpu_keeps_the_triton_op_without_a_graph_break():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch.manual_seed(0)
+    wq, ws = quantize_weight_int8(torch.randn(64, 32))
+    bias = torch.randn(64)
+
+    def linear(x):
+        return linear_ops.w8a8_linear(x, wq, ws, bias, "int8", "silu", torch.float32)
+
+    counter = CompileCounterWithBackend("eager")
+    x = torch.randn(2, linear_ops.PREPARED_MIN_ROWS, 32)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(linear, backend=counter, fullgraph=True)(x)
+        torch.testing.assert_close(out, linear(x), rtol=2e-2, atol=2e-2)  # a code may round one step apart
+    ops = _ops_in(counter.graphs[0])
+    assert any("int8_matmul" in op and "prepared" not in op for op in ops), ops
+    assert counter.frame_count == 1
+
+
+def _sm90():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon INT8 kernel is for sm_90")
+
+
+@pytest.mark.gpu
+def test_gpu_prepared_op_bits_and_its_bare_launcher():
+    """The op keeps one prepared launch per operand layout; the Gluon kernel's second call on goes through the C
+    launcher with encoded descriptors, with the reference's bits for fresh codes at new addresses each call; with
+    a Triton launch hook set it takes Triton's own path."""
+    _sm90()
+    from triton import knobs
+
+    linear_ops.clear_prepared()
+    m, n, k = 2048, 3072, 3072
+    _, a_scale, w, w_scale, bias = operands(m, n, k, bias_dtype=torch.bfloat16, seed=7, device="cuda")
+    for seed in range(4):
+        a = operands(m, n, k, seed=seed, device="cuda")[0]
+        out = prepared_op(a, a_scale, w, w_scale, bias, torch.bfloat16)
+        assert torch.equal(out.cpu(), reference(a, a_scale, w, w_scale, bias, torch.bfloat16)), seed
+    (prepared,) = linear_ops._PREPARED.values()
+    if prepared.tiles is not None:
+        assert prepared._tma is not None and len(prepared._tma) >= 3
+        hooked = []
+
+        def hook(*args):
+            hooked.append(1)
+
+        knobs.runtime.launch_enter_hook.add(hook)
+        try:
+            out = prepared_op(a, a_scale, w, w_scale, bias, torch.bfloat16)
+        finally:
+            knobs.runtime.launch_enter_hook.remove(hook)
+        assert hooked and torch.equal(out.cpu(), reference(a, a_scale, w, w_scale, bias, torch.bfloat16))
+    linear_ops.clear_prepared()
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_linear_with_many_rows_runs_the_prepared_op(monkeypatch):
+    _sm90()
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    monkeypatch.delenv(linear_ops.TRACED_INT8_ENV, raising=False)
+    torch.manual_seed(0)
+    wq, ws = quantize_weight_int8(torch.randn(1024, 512, device="cuda"))
+    bias = torch.randn(1024, device="cuda", dtype=torch.bfloat16)
+
+    def linear(x):
+        return linear_ops.w8a8_linear(x, wq, ws, bias, "int8", "gelu_tanh", torch.bfloat16)
+
+    x = torch.randn(4, 1024, 512, device="cuda", dtype=torch.bfloat16)
+    for rows, expected in ((x, "int8_matmul_prepared"), (x[:1, :512], "int8_matmul.default")):
+        counter = CompileCounterWithBackend("inductor")
+        torch._dynamo.reset()
+        with torch.no_grad():
+            out = torch.compile(linear, backend=counter, fullgraph=True)(rows)
+            eager = linear(rows)
+        assert counter.frame_count == 1
+        assert any(expected in op for op in _ops_in(counter.graphs[0])), _ops_in(counter.graphs[0])
+        cos = torch.nn.functional.cosine_similarity(out.float().flatten(), eager.float().flatten(), dim=0)
+        assert cos > 0.9999, cos  # the traced quantiser may round a code one step apart now and then
+    linear_ops.clear_prepared()
+
+
+def test_launch_hooks_are_read_as_triton_keeps_them():
+    from flash_catalog.kernels.tma_launch import _hook_set
+    from triton.knobs import HookChain
+
+    chain = HookChain()
+    assert not _hook_set(chain) and not _hook_set(None)
+    chain.add(print)
+    assert _hook_set(chain) and _hook_set(print)
