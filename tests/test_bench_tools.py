@@ -40,7 +40,8 @@ def test_bench_model_image_hosts(model, tmp_path, fresh_clock):
     out = tmp_path / "bench.json"
     assert bench_model.main(["--model", model, "--tiny", "--device", "cpu", "--steps", "1", "--warmup", "0",
                              "--profiles", "default", "--rows", "host_eager,attached_eager,peer_compiled",
-                             "--budget-s", "120", "--attach-estimate-s", "5", "--trace", "--json", str(out)]) == 0
+                             "--budget-s", "120", "--attach-estimate-s", "5", "--trace", "--host-profile", "--json",
+                             str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["finished"] and data["host"]["outputs_finite"]
     assert data["model"]["token_kind"] == "image" and data["model"]["layers"] == 2
@@ -54,6 +55,9 @@ def test_bench_model_image_hosts(model, tmp_path, fresh_clock):
         assert rows[name]["cos_vs_host_eager"] > 0.999
         assert finite(rows[name]["pipelined_ms"]) and rows[name]["gpu_after"] is None  # no GPU state off CUDA
         assert len(rows[name]["gc_collections"]) == 3 and min(rows[name]["gc_collections"]) >= 0
+        profiled = rows[name]["host_profile"]
+        assert profiled["total_ms"] > 0 and profiled["calls"] > 0
+        assert any("forward" in where for where, *_ in profiled["top"]), profiled["top"]
     assert rows["peer compiled"]["status"] == f"skipped: {peer_skip_reason()}"
     (profile,) = data["profiles"]
     assert profile["status"] == "ok" and profile["detach_state_dict_equal"] and profile["detach_eager_equal"]
@@ -152,6 +156,23 @@ def test_bench_tirex2_tiny_times_the_host_again_at_every_scope(tmp_path, monkeyp
     assert case["detach_exact"] and "int8_rowwise" in case["plan"]["speedups"]
     assert any(k.startswith("bound:int8_rowwise") for k in case["plan"]["outcomes"])
     assert "again = the dense host timed after detach" in capsys.readouterr().out
+
+
+def test_host_profile_names_the_functions_a_call_spends_its_time_in():
+    import host_profile
+
+    def spin(n):
+        return sum(i * i for i in range(n))
+
+    def step():
+        return [spin(20_000) for _ in range(3)]
+
+    profiled = host_profile.profile_call(step, bench_model.torch.device("cpu"), top=50)
+    rows = {where: (own, cum, calls) for where, own, cum, calls in profiled.top}
+    (spun,) = [where for where in rows if where.endswith("(spin)")]
+    assert rows[spun][2] == 3 and rows[spun][1] <= profiled.total_ms
+    assert spun.startswith("tests/test_bench_tools.py:")
+    assert profiled.calls >= 4 and profiled.to_dict()["total_ms"] == profiled.total_ms
 
 
 def test_step_trace_counts_overlapping_device_work_once_and_the_gaps_as_idle():

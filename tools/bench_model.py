@@ -92,6 +92,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from flash_catalog import Plan, attach, detach  # noqa: E402
 from flash_catalog.capture.stance import user_compiled  # noqa: E402
 from flash_catalog.plan.environment import environment  # noqa: E402
+from host_profile import profile_call  # noqa: E402
 from step_trace import trace_call  # noqa: E402
 
 ROWS = ("host_eager", "host_compiled", "attached_eager", "attached_compiled", "peer_compiled")
@@ -475,7 +476,7 @@ def guarded(report: Report, record: dict[str, Any], what: str, body: Callable[[]
 
 
 def time_steps(model: nn.Module, inputs: dict[str, Any], device: torch.device, warmup: int, steps: int,
-               record: dict[str, Any], trace: bool = False) -> Outputs:
+               record: dict[str, Any], trace: bool = False, host_profile: bool = False) -> Outputs:
     out: Outputs = ()
     for _ in range(warmup):
         call(model, inputs, device)
@@ -493,6 +494,8 @@ def time_steps(model: nn.Module, inputs: dict[str, Any], device: torch.device, w
     if trace:
         traced = trace_call(lambda: call(model, inputs, device), device)
         record["trace"] = traced.to_dict() if traced is not None else None
+    if host_profile:
+        record["host_profile"] = profile_call(lambda: call(model, inputs, device), device).to_dict()
     return out
 
 
@@ -578,6 +581,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--trace", action="store_true",
                    help="after each row's steps, one more call under torch.profiler: the GPU's busy and idle ms "
                         "within the step and its top kernels (tools/step_trace.py; CUDA only)")
+    p.add_argument("--host-profile", action="store_true",
+                   help="after each row's steps, one more call under cProfile: the host functions that took most "
+                        "of it (tools/host_profile.py); slows Python calls, so compare rows, not step times")
     p.add_argument("--reattach", action="store_true",
                    help="after each profile's detach, attach it once more from the first attach's receipt "
                         "(plan=, as a saved plan is reused: no paired timing, accuracy gated at every site), "
@@ -624,7 +630,7 @@ class Bench:
 
     def steps(self, record: dict[str, Any], warmup: int = 0, model: nn.Module | None = None) -> Outputs:
         return time_steps(model or self.model, self.inputs, self.device, warmup, self.args.steps, record,
-                          self.args.trace)
+                          self.args.trace, self.args.host_profile)
 
     def compare(self, record: dict[str, Any], out: Outputs) -> None:
         record["cos_vs_host_eager"] = cosine(out, self.ref)
@@ -983,6 +989,13 @@ def print_tables(data: dict[str, Any]) -> None:
             t = r["trace"]
             print(f"trace: {r['row']} ({r['profile'] or '-'}): {t['launches']} launches, busy {t['busy_ms']:.1f} ms, "
                   f"idle {t['idle_ms']:.1f} ms; top: " + "; ".join(f"{n} {ms:.1f} ms x{c}" for n, ms, c in t["top"]))
+    for r in data["rows"]:
+        if r.get("host_profile"):
+            h = r["host_profile"]
+            print(f"host profile: {r['row']} ({r['profile'] or '-'}): {h['total_ms']:.1f} ms profiled, {h['calls']} "
+                  "calls; own ms / cum ms / calls:")
+            for where, own, cum, n in h["top"]:
+                print(f"  {own:9.2f} {cum:9.2f} {n:7d}  {where}")
     for c in data.get("checks", []):
         peer = f", {c['x_peer']:.3f}x the peer" if "x_peer" in c else ""
         verdict = ("not held: the plan was gated compiled (for eager, leave host_compiled out or pass "
