@@ -2,10 +2,12 @@
 
 At each shape (M, K, N): bf16 `F.linear`; FP8 rowwise `torch._scaled_mm`; the Triton INT8 kernel
 (`int8_gemm.int8_matmul`, default tiles); the Gluon INT8 kernel (`int8_gemm_gluon`) at every entry of `TILE_CHOICES`,
-each checked bit for bit against the Triton kernel; and the choice `int8_gemm_choice.GEMM_CHOICES` makes for an eager
-linear (the prepared launches timed by the wall clock, back to back). All with a bf16 bias, bf16 out, random
-operands; GPU times are `triton.testing.do_bench` medians (µs). A warm-up shape runs first and is not reported.
-Needs an sm_90 GPU.
+each checked bit for bit against the Triton kernel; and the choices `int8_gemm_choice` makes: for an eager linear
+(`GEMM_CHOICES`, the prepared launches timed by the wall clock, back to back) and for a traced one
+(`COMPILED_CHOICES`, the prepared launches queued behind a spin: the GPU's time alone). All with a bf16 bias, bf16
+out, random operands. The per-kernel columns are `triton.testing.do_bench` medians (µs) of the checked calls, whose
+Python launch (tens of µs) can leak into the shortest shapes' figures; the "gpu" column of each choice cannot.
+A warm-up shape runs first and is not reported. Needs an sm_90 GPU.
 
     python tools/bench_gemm_gluon.py [--shapes 4608,3072,12288 24576,4096,16384] [--json gemm_gluon.json]
 """
@@ -51,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from flash_catalog.kernels.fp8_rowwise import fp8_matmul, quantize_rows_fp8, quantize_weight_fp8
     from flash_catalog.kernels.int8_gemm import int8_matmul, quantize_rows_int8, quantize_weight_int8
-    from flash_catalog.kernels.int8_gemm_choice import GEMM_CHOICES
+    from flash_catalog.kernels.int8_gemm_choice import COMPILED_CHOICES, GEMM_CHOICES
     from flash_catalog.kernels.int8_gemm_gluon import TILE_CHOICES, int8_matmul_gluon
 
     def us(fn) -> float:
@@ -78,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         choice = GEMM_CHOICES.choice(m, wq, ws, b, torch.bfloat16)
         row["eager_choice"] = "triton" if choice.tiles is None else str(choice.tiles)
         row["eager_choice_wall_ms"] = dict(choice.timings)
+        traced = COMPILED_CHOICES.choice(m, wq, ws, b, torch.bfloat16)
+        row["traced_choice"] = "triton" if traced.tiles is None else str(traced.tiles)
+        row["traced_choice_gpu_ms"] = dict(traced.timings)
         if index == 0:
             continue  # the warm-up shape
         rows.append(row)
@@ -86,7 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"M={m:<6} K={k:<6} N={n:<6} | bf16 {row['bf16_us']:9.1f} | fp8 {row['fp8_us']:9.1f} | triton "
               f"{row['triton_us']:9.1f} ({tops / row['triton_us']:5.0f} TOP/s) | gluon {best[1]['us']:9.1f} "
               f"({tops / best[1]['us']:5.0f} TOP/s, {best[0]}, x{best[1]['us'] / row['triton_us']:.3f}) | equal "
-              f"{all(v['equal'] for v in row['gluon'].values())} | eager choice {row['eager_choice']}", flush=True)
+              f"{all(v['equal'] for v in row['gluon'].values())} | eager choice {row['eager_choice']} | gpu: triton "
+              f"{1e3 * row['traced_choice_gpu_ms'].get('triton', float('nan')):.1f}, "
+              f"{row['traced_choice']} {1e3 * min(row['traced_choice_gpu_ms'].values(), default=float('nan')):.1f}",
+              flush=True)
     env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "argv": sys.argv[1:]}
     if args.json:
