@@ -1,16 +1,18 @@
-"""Which INT8 GEMM kernel an eager linear launches at a shape: measured once per shape as the call it will be.
+"""Which INT8 GEMM kernel a linear launches at a shape: measured once per shape as the call it will be.
 
 The Triton kernel (`int8_gemm`, at `default_config`'s tiles) and the Hopper Gluon kernel at each of
 `int8_gemm_gluon.TILE_CHOICES` compute the same exact int32 product and the same fp32 epilogue in the same order, so
 they return the same bits. Their speeds differ by shape, and an eager call also costs host time (the Gluon launch
 takes one TMA descriptor more), so `GemmChoices` times each candidate's `PreparedGemm`, the launch `Int8LinearPlans`
-will repeat, back to back by the wall clock (what an eager step waits for: the GPU's time or the host's, whichever is
+will repeat, by `Clock.WALL` back to back (what an eager step waits for: the GPU's time or the host's, whichever is
 longer), on fresh codes of the shape and the call's own weight, the first time the shape appears, and keeps the
 fastest. Where the Gluon kernel cannot run (not sm_90, Triton without Gluon, a weight TMA cannot address, fp32 out)
 the Triton kernel runs and nothing is timed; under CUDA graph capture nothing is timed or kept.
 
-Traced code does not come here: inductor launches the Triton kernel itself (`linear_ops`), which a Python-launched
-Gluon kernel would cost more host time than it saves (BENCHMARKS.md, "The Gluon INT8 GEMM").
+Traced linears of many rows (`linear_ops.int8_matmul_prepared`) choose from `COMPILED_CHOICES`, by `Clock.GPU`: the
+calls queued behind a spin, as a busy compiled graph hides a launch's host time. The Gluon kernel's prepared launch
+goes through its C launcher after the first call (`tma_launch.TmaLauncher`), a few microseconds of host time where
+Triton's own descriptor path costs tens (BENCHMARKS.md, "The Gluon INT8 GEMM inside compiled graphs").
 """
 
 from __future__ import annotations

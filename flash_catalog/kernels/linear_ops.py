@@ -7,8 +7,10 @@
   that inductor fuses into the op before it (a norm, a modulation, an activation), and the GEMM is
   `torch._scaled_mm` (FP8) or the op `flash_catalog::int8_matmul` (INT8: a `torch.library.triton_op`, whose Triton
   kernel inductor launches from its own code, without a Python launch's host time; an opaque custom op on a torch
-  without `triton_op`). The torch quantisers give the Triton kernels' bits; inductor's own code for them may round
-  a division differently now and then.
+  without `triton_op`); on sm_90, a GEMM of `PREPARED_MIN_ROWS` rows or more is `flash_catalog::int8_matmul_prepared`
+  instead, the Triton or Gluon kernel measured fastest there by the GPU's time, launched by the op's body through
+  its prepared launcher (`int8_gemm_choice`; `TRACED_INT8_ENV` chooses). The torch quantisers give the Triton
+  kernels' bits; inductor's own code for them may round a division differently now and then.
 * `flash_catalog::nvfp4_linear(x, w_codes, w_block_scale, w_global_scale, bias, out_dtype)`: the exact NVFP4
   emulation (`nvfp4.nvfp4_linear`) of a weight (N, K) given by its packed codes (N, K // 2), one opaque op.
 
@@ -18,12 +20,17 @@ op's fake implementation gives a fresh row-major (..., N) output, as every path 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .fp8_rowwise import fp8_linear, fp8_matmul, quantize_rows_fp8_torch
 from .nvfp4 import NvFp4Tensor
 from .nvfp4 import nvfp4_linear as nvfp4_emulated
 from .rows import over_rows
+
+if TYPE_CHECKING:
+    from .int8_gemm_choice import PreparedGemm
 
 W8A8_SCHEMES = ("fp8", "int8")
 
@@ -123,7 +130,7 @@ def _gluon_traced(index: int) -> bool:
 _LIB = torch.library.Library("flash_catalog", "FRAGMENT")
 _LIB.define("int8_matmul_prepared(Tensor a, Tensor a_scale, Tensor w, Tensor w_scale, Tensor? bias, "
             "ScalarType out_dtype) -> Tensor")
-_PREPARED: dict[tuple, object] = {}  # operand layout -> int8_gemm_choice.PreparedGemm (None: not served)
+_PREPARED: dict[tuple, PreparedGemm | None] = {}  # operand layout -> its launch (None: the checked call serves it)
 
 
 def _int8_matmul_prepared(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
@@ -150,7 +157,7 @@ def _int8_matmul_prepared(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tenso
         from .int8_gemm import int8_matmul as checked
 
         return checked(a, a_scale, w, w_scale, bias, out_dtype)
-    return prepared(a, a_scale, w, w_scale, bias)  # type: ignore[operator]
+    return prepared(a, a_scale, w, w_scale, bias)
 
 
 def clear_prepared() -> None:

@@ -73,10 +73,11 @@ class TmaLauncher:
                       and not launcher.global_scratch_size and not launcher.profile_scratch_size
                       and all({"swizzle", "elem_size", "elem_type", "block_size", "fp4_padded"} <= set(m)
                               and not m["fp4_padded"] for m in meta))
-            if not usable:
+            if not usable or raw is None:
                 return None
             fill = triton.runtime.driver.active.utils.fill_tma_descriptor
-            return cls(raw, (*grid, 1, 1)[:3], compiled.function, compiled.packed_metadata,
+            gx, gy, gz = (*grid, 1, 1)[:3]
+            return cls(raw, (gx, gy, gz), compiled.function, compiled.packed_metadata,
                        bool(launcher.launch_cooperative_grid), bool(launcher.launch_pdl), meta, device_index, fill,
                        knobs.runtime)
         except (AttributeError, ImportError, TypeError):
