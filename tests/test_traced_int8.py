@@ -143,3 +143,25 @@ def test_launch_hooks_are_read_as_triton_keeps_them():
     assert not _hook_set(chain) and not _hook_set(None)
     chain.add(print)
     assert _hook_set(chain) and _hook_set(print)
+
+
+def test_the_c_launch_is_found_only_where_triton_s_wrapper_holds_exactly_one():
+    from types import SimpleNamespace
+
+    from flash_catalog.kernels.tma_launch import _raw_launch
+
+    def launch(*args):
+        return args
+
+    def wrapping(held):
+        def inner(*args):  # as Triton's wrap_handle_tensordesc holds the compiled `launch`
+            return held(*args)
+        return SimpleNamespace(launch=inner)
+
+    def plain(*args):
+        return args
+
+    assert _raw_launch(wrapping(launch)) is launch
+    assert _raw_launch(wrapping(plain)) is None  # the held function is not the C launch
+    assert _raw_launch(SimpleNamespace(launch=launch)) is None  # no wrapper: not the launcher this Triton builds
+    assert _raw_launch(object()) is None
