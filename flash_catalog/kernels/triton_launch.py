@@ -38,21 +38,16 @@ class RepeatLaunch:
     scalars: tuple[Any, ...]
     meta: dict[str, Any]
     _direct: Callable[..., None] | None = field(default=None, init=False, repr=False)
-    _constexprs: tuple[Any, ...] = field(default=(), init=False, repr=False)
+    tail: tuple[Any, ...] = field(default=(), init=False, repr=False)
+    """The arguments after the tensors, constexprs included, as the compiled launcher takes them (once `compiled`
+    is set)."""
     _device_index: int = field(default=0, init=False, repr=False)
     compiled: Any = field(default=None, init=False, repr=False)  # the JIT's CompiledKernel, once the direct path runs
-
-    @property
-    def tail(self) -> tuple[Any, ...]:
-        """The arguments after the tensors, constexprs included, as the compiled launcher takes them (once
-        `compiled` is set)."""
-        return (*self.scalars, *self._constexprs)
 
     def __call__(self, *tensors: Any) -> None:
         """Launch on `tensors` (tensors, or host-side tensor descriptors, or None where the kernel takes it)."""
         if self._direct is not None:
-            self._direct(*tensors, *self.scalars, *self._constexprs,
-                         stream=torch._C._cuda_getCurrentRawStream(self._device_index))
+            self._direct(*tensors, *self.tail, stream=torch._C._cuda_getCurrentRawStream(self._device_index))
             return
         compiled = self.fn[self.grid](*tensors, *self.scalars, **self.meta)
         if interpreted(self.fn) or compiled is None or not hasattr(compiled, "__getitem__"):
@@ -64,7 +59,7 @@ class RepeatLaunch:
         named = self.fn.arg_names[len(tensors) + len(self.scalars):]
         if any(name not in self.meta for name in named):
             return  # a parameter left to its default: keep the JIT, which knows it
-        self._constexprs = tuple(self.meta[name] for name in named)
+        self.tail = (*self.scalars, *(self.meta[name] for name in named))
         device = next((d for d in map(_device_of, tensors) if d is not None), None)
         self._device_index = device.index if device is not None and device.index is not None \
             else torch.cuda.current_device()
