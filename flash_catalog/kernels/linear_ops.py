@@ -138,18 +138,22 @@ def _int8_matmul_prepared(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tenso
     """`int8_matmul`'s bits on the kernel `COMPILED_CHOICES` measured fastest at the shape (by the GPU's time),
     launched through its prepared launcher: the checks once per operand layout. Defined on a `Library` (no
     autograd layer): a few microseconds of dispatch where the compiled graph calls it."""
-    key = (a.shape, a.stride(), a.data_ptr() % 16, a_scale.shape, a_scale.stride(), w.shape, w.stride(),
-           w.data_ptr() % 16, None if bias is None else (bias.dtype, bias.stride()), out_dtype, a.device)
+    # everything check_matmul and the kernel choice read: a call at a known key skips them
+    key = (a.dtype, a.shape, a.stride(), a.data_ptr() % 16, a_scale.dtype, a_scale.shape, a_scale.stride(), w.dtype,
+           w.shape, w.stride(), w.data_ptr() % 16, w_scale.dtype, w_scale.shape, w_scale.stride(),
+           None if bias is None else (bias.dtype, bias.shape, bias.stride()), out_dtype, a.device)
     try:
         prepared = _PREPARED[key]
     except KeyError:
-        from .int8_gemm import check_matmul, tma_blocker
+        from .int8_gemm import check_matmul, tma_blocker, triton_serves
         from .int8_gemm_choice import COMPILED_CHOICES, prepare_gemm
 
         check_matmul(a, a_scale, w, w_scale, bias, out_dtype)
-        served = a.is_cuda and a.stride() == (a.shape[1], 1) and a_scale.is_contiguous() and a.numel() > 0 \
-            and w.numel() > 0 and tma_blocker(a=a) is None
-        prepared = prepare_gemm(a.shape[0], w, w_scale, bias, out_dtype, COMPILED_CHOICES) if served else None
+        (m, k), n = a.shape, w.shape[0]
+        # where int8_matmul itself would launch its kernel (not its torch path), on fresh row-major codes
+        served = triton_serves(a.device) and min(m, n, k) > 0 and a.stride() == (k, 1) and a_scale.is_contiguous() \
+            and tma_blocker(a=a) is None
+        prepared = prepare_gemm(m, w, w_scale, bias, out_dtype, COMPILED_CHOICES) if served else None
         if len(_PREPARED) >= 256:
             _PREPARED.clear()
         _PREPARED[key] = prepared
