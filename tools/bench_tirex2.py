@@ -56,6 +56,9 @@ from flash_catalog import attach, detach  # noqa: E402
 from flash_catalog.cli import tirex2_host  # noqa: E402
 from flash_catalog.plan.environment import environment  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_trace import trace_call  # noqa: E402
+
 VARIANTS = ("dense", "flex", "attach")
 SCOPES = ("attn", "block", "model")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -230,6 +233,10 @@ class Bench:
             with torch.no_grad():
                 out = first(fn())
             rec.update(ms=ms, reps=reps)
+            if scope in self.args.trace:
+                with torch.no_grad():  # as timed: a call with gradients runs the host at a bound site
+                    traced = trace_call(fn, self.device, top=12)
+                rec["trace"] = traced.to_dict() if traced is not None else None
             if variant == "dense":
                 ref[scope] = out
             elif scope in ref:
@@ -242,6 +249,11 @@ class Bench:
         if "ms" in rec:
             log(f"  {variant:6s} {scope:5s} {rec['ms']:9.3f} ms ({rec['reps']} reps)"
                 + (f" cos {rec['cosine']:.6f}" if "cosine" in rec else ""))
+        if rec.get("trace"):
+            t = rec["trace"]
+            log(f"    trace: {t['launches']} launches, busy {t['busy_ms']:.3f} ms, idle {t['idle_ms']:.3f} ms")
+            for name, ms, n in t["top"]:
+                log(f"      {ms:8.3f} ms {n:4d}x  {name}")
 
     def case(self, model: nn.Module, dtype_name: str, windows: int) -> None:
         dtype = DTYPES[dtype_name]
@@ -438,6 +450,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--mlstm-kernels", default="auto", choices=("auto", *MLSTM_FALLBACK),
                    help="mlstm-kernels kernels of the mLSTM cells (auto: TiRex-2's own, with a fallback on CUDA)")
     p.add_argument("--show-plan", action="store_true", help="print each plan's table")
+    p.add_argument("--trace", type=csv(str), default=[],
+                   help=f"scopes ({','.join(SCOPES)}) to run once more under torch.profiler, each variant: the GPU's "
+                        "busy and idle ms within the call and its top kernels (tools/step_trace.py; CUDA only)")
     p.add_argument("--tiny", action="store_true", help="2 blocks, embedding 64 (smoke test)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--seed", type=int, default=0)
@@ -447,6 +462,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if bad:
         p.error(f"unknown dtype or variant: {', '.join(bad)} (dtypes {', '.join(DTYPES)}; variants "
                 f"{', '.join(VARIANTS)})")
+    unknown = [t for t in args.trace if t not in SCOPES]
+    if unknown:
+        p.error(f"--trace: unknown scope {', '.join(unknown)} (scopes {', '.join(SCOPES)})")
     args.windows = sorted(args.windows)
     return args
 
