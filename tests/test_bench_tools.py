@@ -148,14 +148,26 @@ def test_bench_tirex2_tiny_times_the_host_again_at_every_scope(tmp_path, monkeyp
     out = tmp_path / "tirex2.json"
     assert bench_tirex2.main(["--tiny", "--device", "cpu", "--windows", "2", "--dtypes", "float32", "--reps", "2",
                               "--warmup", "1", "--variants", "dense,attach", "--profile", "int8_linears",
-                              "--min-speedup", "0", "--json", str(out)]) == 0
+                              "--min-speedup", "0", "--trace", "attn", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
+    for r in data["records"]:  # --trace attn: the attention scope traced, on CUDA only (None here); no other scope
+        assert r.get("trace", "absent") == (None if r["scope"] == "attn" else "absent"), r
     again = {r["scope"]: r for r in data["records"] if r["variant"] == "detached"}
     assert set(again) == {"attn", "block", "model"} and all(finite(r["ms"]) for r in again.values())
     case = data["cases"][0]
     assert case["detach_exact"] and "int8_rowwise" in case["plan"]["speedups"]
     assert any(k.startswith("bound:int8_rowwise") for k in case["plan"]["outcomes"])
     assert "again = the dense host timed after detach" in capsys.readouterr().out
+
+
+def test_bench_tirex2_refuses_an_unknown_trace_scope_by_name(capsys):
+    pytest.importorskip("tirex2")
+    import bench_tirex2
+
+    with pytest.raises(SystemExit) as exit_:
+        bench_tirex2.parse_args(["--trace", "attn,layer"])
+    assert exit_.value.code == 2
+    assert "--trace: unknown scope layer (scopes attn, block, model)" in capsys.readouterr().err
 
 
 def test_host_profile_names_the_functions_a_call_spends_its_time_in():

@@ -24,11 +24,14 @@ each scope's output against the dense host's. The sLSTM runs flashrnn's "cuda" b
 (compiled with nvcc at the first call) and the mLSTM mlstm-kernels' Triton kernels; each is probed on its own first,
 and `--rnn-backend auto` falls back to flashrnn's "triton_fused", then "vanilla", `--mlstm-kernels auto` to the
 native kernels, where TiRex-2's own fail (the JSON and the table say which ran). Cases that would end after
-`--budget-s` are skipped. The JSON is rewritten after every case; the table comes last.
+`--budget-s` are skipped. `--trace attn` (any of the scopes) runs each variant's call at that scope once more under
+torch.profiler: the GPU's busy and idle ms within it and its top kernels, in the log and the JSON (CUDA only). The
+JSON is rewritten after every case; the table comes last.
 
     python tools/bench_tirex2.py [--windows 8,32,64,128] [--dtypes float32,bfloat16] [--variants dense,flex,attach]
         [--forms grouped_tiles,flex_blocksparse] [--min-speedup 1.02] [--reps 20] [--warmup 2] [--budget-s 290]
-        [--ffn-forms int8_rowwise --projections 'stack.*.variate_mixer.attn.W?'] [--json bench_tirex2.json]
+        [--ffn-forms int8_rowwise --projections 'stack.*.variate_mixer.attn.W?'] [--trace attn]
+        [--json bench_tirex2.json]
     python tools/bench_tirex2.py --tiny --device cpu --windows 2 --dtypes float32 --reps 2   # smoke test
 """
 
