@@ -1,7 +1,8 @@
 """Traced INT8 GEMMs: `flash_catalog::int8_matmul_prepared` (the Gluon kernel measured fastest, launched through its
 bare C launcher) where a compiled graph has many rows on sm_90, the inductor-launched Triton op elsewhere; both give
-the exact reference's bits. On the CPU: the policy, its refusal of a bad setting, the op's checked torch path, and
-a compiled linear that still has no graph break."""
+the exact reference's bits; with the prepared GEMM, a fused activation's rows quantised by
+`flash_catalog::quantize_rows_int8`. On the CPU: the policy, its refusal of a bad setting, the ops' torch paths and
+fakes, which traced linears take the quantiser op, and a compiled linear that still has no graph break."""
 
 import pytest
 import torch
@@ -71,6 +72,59 @@ def test_compiled_linear_on_cpu_keeps_the_triton_op_without_a_graph_break():
     assert counter.frame_count == 1
 
 
+quantiser_op = torch.ops.flash_catalog.quantize_rows_int8.default
+
+
+def test_quantiser_op_on_cpu_is_the_torch_path_and_its_fake_the_codes_and_scales_layout():
+    from flash_catalog.kernels.int8_gemm import quantize_rows_int8_torch
+
+    x = torch.randn(37, 200, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(3))
+    for activation in ("gelu_tanh", "silu", None):
+        codes, scale = quantiser_op(x, activation)
+        want_codes, want_scale = quantize_rows_int8_torch(x, None, activation)
+        assert torch.equal(codes, want_codes) and torch.equal(scale, want_scale), activation
+    with pytest.raises(ValueError, match="activation is 'relu'; allowed"):
+        quantiser_op(x, "relu")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        codes, scale = quantiser_op(mode.from_tensor(x), "gelu")
+    assert (codes.shape, codes.dtype, codes.stride()) == ((37, 200), torch.int8, (200, 1))
+    assert (scale.shape, scale.dtype, scale.stride()) == ((37, 1), torch.float32, (1, 1))
+    torch.library.opcheck(quantiser_op, (x, "gelu_tanh"))  # schema, fake, and dispatch under aot_autograd
+
+
+def test_a_traced_feed_forward_activation_is_quantised_by_the_op_only_where_the_gemm_is_prepared(monkeypatch):
+    """Where the policy makes the GEMM `int8_matmul_prepared` (forced here: on the CPU it never does), a fused
+    activation's rows go through `quantize_rows_int8` (nothing precedes them to fuse into); rows without an
+    activation keep the torch quantiser, for inductor to fuse into the op before it."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch.manual_seed(0)
+    wq, ws = quantize_weight_int8(torch.randn(48, 32))
+    bias = torch.randn(48)
+    x = torch.randn(3, 40, 32)
+    for prepared in (True, False):
+        monkeypatch.setattr(linear_ops, "_prepared_rows", lambda m, device, prepared=prepared: prepared)
+        for activation in ("gelu_tanh", None):
+            def linear(x):
+                return linear_ops.w8a8_linear(x, wq, ws, bias, "int8", activation, torch.float32)
+
+            counter = CompileCounterWithBackend("eager")
+            torch._dynamo.reset()
+            with torch.no_grad():
+                out = torch.compile(linear, backend=counter, fullgraph=True)(x)
+                if prepared:  # the ops' bodies are the eager torch paths here
+                    assert torch.equal(out, linear(x)), activation
+                else:  # the Triton op's traceable path: a code may round one step apart
+                    torch.testing.assert_close(out, linear(x), rtol=2e-2, atol=2e-2)
+            ops = _ops_in(counter.graphs[0])
+            quantised_by_op = any("quantize_rows_int8" in op for op in ops)
+            assert quantised_by_op == (prepared and activation is not None), (prepared, activation, ops)
+            assert any("int8_matmul_prepared" in op for op in ops) == prepared, ops
+    torch._dynamo.reset()
+
+
 def _sm90():
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon INT8 kernel is for sm_90")
@@ -123,13 +177,17 @@ def test_gpu_compiled_linear_with_many_rows_runs_the_prepared_op(monkeypatch):
 
     x = torch.randn(4, 1024, 512, device="cuda", dtype=torch.bfloat16)
     for rows, expected in ((x, "int8_matmul_prepared"), (x[:1, :512], "int8_matmul.default")):
+        # the activation's rows: the quantiser op with the prepared GEMM, inductor's own code with the Triton op
+        quantiser = expected == "int8_matmul_prepared"
         counter = CompileCounterWithBackend("inductor")
         torch._dynamo.reset()
         with torch.no_grad():
             out = torch.compile(linear, backend=counter, fullgraph=True)(rows)
             eager = linear(rows)
         assert counter.frame_count == 1
-        assert any(expected in op for op in _ops_in(counter.graphs[0])), _ops_in(counter.graphs[0])
+        ops = _ops_in(counter.graphs[0])
+        assert any(expected in op for op in ops), ops
+        assert any("quantize_rows_int8" in op for op in ops) == quantiser, ops
         cos = torch.nn.functional.cosine_similarity(out.float().flatten(), eager.float().flatten(), dim=0)
         assert cos > 0.9999, cos  # the traced quantiser may round a code one step apart now and then
     linear_ops.clear_prepared()

@@ -9,8 +9,11 @@
   kernel inductor launches from its own code, without a Python launch's host time; an opaque custom op on a torch
   without `triton_op`); on sm_90, a GEMM of `PREPARED_MIN_ROWS` rows or more is `flash_catalog::int8_matmul_prepared`
   instead, the Triton or Gluon kernel measured fastest there by the GPU's time, launched by the op's body through
-  its prepared launcher (`int8_gemm_choice`; `TRACED_INT8_ENV` chooses). The torch quantisers give the Triton
-  kernels' bits; inductor's own code for them may round a division differently now and then.
+  its prepared launcher (`int8_gemm_choice`; `TRACED_INT8_ENV` chooses). There, a feed-forward's inner activation
+  and its row quantiser are the op `flash_catalog::quantize_rows_int8` (the quantiser kernel's one pass over each
+  row, which inductor's reduction makes in two), since its input is the up-projection's opaque output and nothing
+  precedes it to fuse into. The torch quantisers give the Triton kernels' bits; inductor's own code for them may
+  round a division differently now and then.
 * `flash_catalog::nvfp4_linear(x, w_codes, w_block_scale, w_global_scale, bias, out_dtype)`: the exact NVFP4
   emulation (`nvfp4.nvfp4_linear`) of a weight (N, K) given by its packed codes (N, K // 2), one opaque op.
 
@@ -63,10 +66,16 @@ def _traceable(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: 
         if scheme == "fp8":
             codes, scale = quantize_rows_fp8_torch(x2, activation)
             return fp8_matmul(codes, scale, w_q, w_scale, bias, out_dtype)
-        from .int8_gemm import quantize_rows_int8_torch
+        from .int8_gemm import MAX_FUSED_ROW, quantize_rows_int8_torch
 
-        codes, scale = quantize_rows_int8_torch(x2, None, activation)
-        if _prepared_rows(x2.shape[0], w_q.device):
+        prepared = _prepared_rows(x2.shape[0], w_q.device)
+        if prepared and activation is not None and x2.shape[1] <= MAX_FUSED_ROW:
+            # a feed-forward's inner activation: its input is the up-projection's output, an opaque op, so
+            # inductor has nothing to fuse the quantiser into; the kernel's one pass over the row beats its two
+            codes, scale = torch.ops.flash_catalog.quantize_rows_int8(x2, activation)
+        else:
+            codes, scale = quantize_rows_int8_torch(x2, None, activation)
+        if prepared:
             return torch.ops.flash_catalog.int8_matmul_prepared(codes, scale, w_q, w_scale, bias, out_dtype)
         return int8_matmul(codes, scale, w_q, w_scale, bias, out_dtype)
 
@@ -95,9 +104,10 @@ if not hasattr(torch.library, "triton_op"):  # a custom op needs its fake; a tri
 
 
 TRACED_INT8_ENV = "FLASH_CATALOG_TRACED_INT8"
-"""Which op a traced INT8 GEMM becomes, read when a graph is traced: "auto" (default: `int8_matmul_prepared` at
-`PREPARED_MIN_ROWS` rows or more on a GPU the Gluon kernel serves, else `int8_matmul`) or "triton_op" (always
-`int8_matmul`, whose Triton kernel inductor launches)."""
+"""Which ops a traced INT8 linear becomes, read when a graph is traced: "auto" (default: `int8_matmul_prepared` at
+`PREPARED_MIN_ROWS` rows or more on a GPU the Gluon kernel serves, with `quantize_rows_int8` for a fused activation's
+rows, else `int8_matmul` after torch quantisers) or "triton_op" (always `int8_matmul`, whose Triton kernel inductor
+launches, after torch quantisers)."""
 PREPARED_MIN_ROWS = 1024
 """Fewer rows than this keep the Triton op: the Gluon kernel's tiles gain nothing there (BENCHMARKS.md)."""
 
@@ -177,6 +187,26 @@ for _key_name in ("CUDA", "CPU"):  # CPU: the checked torch path (no kernel to p
 def _(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
       out_dtype: torch.dtype) -> torch.Tensor:
     return _rows_out(a, w.shape[0], out_dtype)
+
+
+_LIB.define("quantize_rows_int8(Tensor x, str? activation) -> (Tensor, Tensor)")
+
+
+def _quantize_rows_int8(x: torch.Tensor, activation: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`int8_gemm.quantize_rows_int8` (no smooth): the activation and the row's INT8 codes and scale in the
+    quantiser kernel's one pass, the row held in registers, where it serves; else its torch path, the same bits."""
+    from .int8_gemm import quantize_rows_int8
+
+    return quantize_rows_int8(x, None, activation)
+
+
+for _key_name in ("CUDA", "CPU"):
+    _LIB.impl("quantize_rows_int8", _quantize_rows_int8, _key_name)
+
+
+@torch.library.register_fake("flash_catalog::quantize_rows_int8", lib=_LIB)
+def _(x: torch.Tensor, activation: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.new_empty(x.shape, dtype=torch.int8), x.new_empty((x.shape[0], 1), dtype=torch.float32)
 
 
 @torch.library.custom_op("flash_catalog::nvfp4_linear", mutates_args=())
