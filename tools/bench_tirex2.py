@@ -233,12 +233,11 @@ class Bench:
         rec = {"dtype": case["dtype"], "windows": case["windows"], "variant": variant, "scope": scope}
         try:
             ms, reps = timed(fn, self.device, self.args.warmup, self.args.reps, self.args.max_s)
-            with torch.no_grad():
+            with torch.no_grad():  # as timed: a call with gradients runs the host at a bound site
                 out = first(fn())
+                traced = trace_call(fn, self.device, top=12) if scope in self.args.trace else None
             rec.update(ms=ms, reps=reps)
             if scope in self.args.trace:
-                with torch.no_grad():  # as timed: a call with gradients runs the host at a bound site
-                    traced = trace_call(fn, self.device, top=12)
                 rec["trace"] = traced.to_dict() if traced is not None else None
             if variant == "dense":
                 ref[scope] = out
