@@ -92,26 +92,23 @@ def default_config(m: int, n: int, k: int) -> dict:
 # --------------------------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _quant_rows_kernel(X, SMOOTH, Q, S, M, K, stride_xm,
-                       HAS_SMOOTH: tl.constexpr, ACT: tl.constexpr, ROUND: tl.constexpr, INTERPRET: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """BLOCK_M whole rows per program: one read of x, optional activation, amax, int8 codes (row-major, K
-    contiguous) and fp32 scales."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_K)
-    row_ok = rows < M
+def _row_part(X, SMOOTH, rows64, row_ok, stride_xm, K, first: tl.constexpr, HAS_SMOOTH: tl.constexpr,
+              ACT: tl.constexpr, ROUND: tl.constexpr, INTERPRET: tl.constexpr, WIDTH: tl.constexpr):
+    """Columns first..first+WIDTH of the rows, activated and smoothed, in fp32 (zeros past K)."""
+    cols = first + tl.arange(0, WIDTH)
     col_ok = cols < K
-    mask = row_ok[:, None] & col_ok[None, :]
-    rows64 = rows.to(tl.int64)
-    x = tl.load(X + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(X + rows64[:, None] * stride_xm + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
+                other=0.0).to(tl.float32)
     x = activate(x, ACT, ROUND, INTERPRET)
     if HAS_SMOOTH:
         smooth = tl.load(SMOOTH + cols, mask=col_ok, other=1.0)
         x = tl.math.div_rn(x, smooth[None, :])
-    amax = tl.maximum(tl.max(tl.abs(x), 1), 1e-30)
-    int8_max = tl.full([BLOCK_M], 127.0, tl.float32)
-    inv = tl.math.div_rn(int8_max, amax)
-    scale = tl.math.div_rn(amax, int8_max)
+    return x
+
+
+@triton.jit
+def _store_codes(Q, rows64, row_ok, K, x, inv, first: tl.constexpr, WIDTH: tl.constexpr):
+    """x * inv rounded half away from zero to INT8 codes, stored at columns first..first+WIDTH (row-major, K)."""
     v = x * inv[:, None]
     # round half away from zero without the conversion pipe: |v| + 1.5 * 2^23 rounds |v| to the nearest even
     # integer in the low mantissa bits; the exact remainder then moves a tie (r == 0.5, rounded down) up by one
@@ -121,8 +118,33 @@ def _quant_rows_kernel(X, SMOOTH, Q, S, M, K, stride_xm,
     r = a - (f - MAGIC_FLOAT)
     t = tl.minimum(t + (r == 0.5).to(tl.int32), 127)
     t = tl.where(v < 0, -t, t)
-    tl.store(Q + rows64[:, None] * K + cols[None, :], t.to(tl.int8), mask=mask)
-    tl.store(S + rows, scale, mask=row_ok)
+    cols = first + tl.arange(0, WIDTH)
+    tl.store(Q + rows64[:, None] * K + cols[None, :], t.to(tl.int8), mask=row_ok[:, None] & (cols < K)[None, :])
+
+
+@triton.jit
+def _quant_rows_kernel(X, SMOOTH, Q, S, M, K, stride_xm,
+                       HAS_SMOOTH: tl.constexpr, ACT: tl.constexpr, ROUND: tl.constexpr, INTERPRET: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TAIL_K: tl.constexpr):
+    """BLOCK_M whole rows per program: one read of x, optional activation, amax, int8 codes (row-major, K
+    contiguous) and fp32 scales. A row is held as BLOCK_K columns and, where TAIL_K > 0, the TAIL_K after them:
+    two power-of-two blocks cover a row of 9728 in 10240 lanes where one would take 16384 (`_row_blocks`)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    rows64 = rows.to(tl.int64)
+    x = _row_part(X, SMOOTH, rows64, row_ok, stride_xm, K, 0, HAS_SMOOTH, ACT, ROUND, INTERPRET, BLOCK_K)
+    amax = tl.max(tl.abs(x), 1)
+    if TAIL_K > 0:
+        tail = _row_part(X, SMOOTH, rows64, row_ok, stride_xm, K, BLOCK_K, HAS_SMOOTH, ACT, ROUND, INTERPRET,
+                         TAIL_K)
+        amax = tl.maximum(amax, tl.max(tl.abs(tail), 1))
+    amax = tl.maximum(amax, 1e-30)
+    int8_max = tl.full([BLOCK_M], 127.0, tl.float32)
+    inv = tl.math.div_rn(int8_max, amax)
+    _store_codes(Q, rows64, row_ok, K, x, inv, 0, BLOCK_K)
+    if TAIL_K > 0:
+        _store_codes(Q, rows64, row_ok, K, tail, inv, BLOCK_K, TAIL_K)
+    tl.store(S + rows, tl.math.div_rn(amax, int8_max), mask=row_ok)
 
 
 @triton.jit
@@ -302,16 +324,26 @@ def quantize_rows_int8_torch(x: torch.Tensor, smooth: torch.Tensor | None = None
     return codes, (amax / int8_max).contiguous()
 
 
-def _quant_launch(k: int, activation: str | None) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_K, num_warps): whole rows per program, at least 4K elements per program. Measured on an
-    H200 at M=24576 (BENCHMARKS.md): plain rows of 4096 run best at 4 warps; rows of 16384 with a fused GELU
-    (ALU-bound) at 16; 2 or 4 rows per program were slower."""
-    block_k = max(16, triton.next_power_of_2(k))
-    block_m = max(1, min(64, 4096 // block_k))
-    elements = block_k * block_m
-    if elements <= 4096:
-        return block_m, block_k, 4
-    return block_m, block_k, 16 if activation is not None and elements >= 16384 else 8
+def _row_blocks(k: int) -> tuple[int, int]:
+    """(BLOCK_K, TAIL_K): the two power-of-two blocks whose lanes hold a row of k elements, TAIL_K 0 where one block
+    of k's next power of two wastes no more (a row of 9728: 8192 + 2048, where 16384 would leave 41% of the lanes
+    loading and activating nothing)."""
+    whole = max(16, triton.next_power_of_2(k))
+    tail = max(16, triton.next_power_of_2(k - whole // 2))
+    return (whole // 2, tail) if whole > 16 and whole // 2 + tail < whole else (whole, 0)
+
+
+def _quant_launch(k: int, activation: str | None) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_K, TAIL_K, num_warps): whole rows per program, at least 4K lanes per program. Measured on an
+    H200 (BENCHMARKS.md, `tools/bench_quant_rows.py`): rows with a fused GELU (ALU-bound) run best at 16 warps in
+    16384 lanes, at 8 in 8192 + 2048 or 8192 + 4096; plain rows at 4 in up to 4096 lanes, or 4096 + 1024, else 8;
+    2 or 4 rows per program were slower."""
+    block_k, tail_k = _row_blocks(k)
+    block_m = max(1, min(64, 4096 // max(16, triton.next_power_of_2(k))))
+    lanes = (block_k + tail_k) * block_m
+    if lanes <= 4096 or (activation is None and tail_k and lanes <= 8192):
+        return block_m, block_k, tail_k, 4
+    return block_m, block_k, tail_k, 16 if activation is not None and lanes >= 16384 else 8
 
 
 @torch.no_grad()
@@ -356,13 +388,13 @@ def _quant_args(x: torch.Tensor, smooth: bool, activation: str | None
                 ) -> tuple[tuple[int], tuple[int, int, int], tuple[tuple[str, Any], ...]]:
     """The grid, scalars and meta pairs of `_quant_rows_kernel` for rows `x` (M, K) of 1..MAX_FUSED_ROW elements."""
     m, k = x.shape
-    block_m, block_k, warps = _quant_launch(k, activation)
+    block_m, block_k, tail_k, warps = _quant_launch(k, activation)
     # FMA contraction only touches the activation (the quantisation has no multiply feeding an add), which
     # already may differ from torch's by an ulp; it saves about 10% of a fused GELU row's time
     return ((triton.cdiv(m, block_m),), (m, k, x.stride(0)),
             (("HAS_SMOOTH", smooth), ("ACT", ACT_CODE[activation]), ("ROUND", ROUND_CODE[x.dtype]),
              ("INTERPRET", interpreted(_quant_rows_kernel)), ("BLOCK_M", block_m), ("BLOCK_K", block_k),
-             ("num_warps", warps), ("enable_fp_fusion", activation is not None)))
+             ("TAIL_K", tail_k), ("num_warps", warps), ("enable_fp_fusion", activation is not None)))
 
 
 @torch.no_grad()
