@@ -115,3 +115,26 @@ def test_nothing_bound_means_nothing_to_check():
     plan = attach(host.model, host.inputs(), attention_forms=[])
     assert plan.step.outcome is StepOutcome.NOT_CHECKED and plan.step.reason == "nothing was bound"
     detach(plan)
+
+
+def test_a_long_example_call_is_timed_in_four_calls_a_side_its_sizing_call_the_first_round():
+    """A call that makes a round alone and outlasts the settle (a video model's step): the warm-up call and the three
+    rounds, the sizing call the first of them, the figures the calls' own; a short call repeats to fill each round."""
+    from flash_catalog.decide.agreement import Agreement
+    from flash_catalog.decide.step import MIN_ROUND_S, StepCheck
+
+    calls: list[float] = []
+
+    def long_call() -> None:
+        calls.append(time.perf_counter())
+        time.sleep(MIN_ROUND_S * 3)
+
+    check = StepCheck(long_call, torch.device("cpu"), Agreement())
+    check.time_host()
+    assert len(calls) == 4 and len(check.host_s) == 3
+    assert all(MIN_ROUND_S * 3 <= s < 1.0 for s in check.host_s)
+
+    calls.clear()
+    check = StepCheck(lambda: calls.append(time.perf_counter()), torch.device("cpu"), Agreement())
+    check.time_host()
+    assert len(calls) > 2 + 3 and len(check.host_s) == 3
