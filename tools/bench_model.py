@@ -91,6 +91,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from flash_catalog import Plan, attach, detach  # noqa: E402
 from flash_catalog.capture.stance import user_compiled  # noqa: E402
+from flash_catalog.kernels.linear_ops import TRACED_INT8_ENV  # noqa: E402
 from flash_catalog.plan.environment import environment  # noqa: E402
 from host_profile import profile_call  # noqa: E402
 from step_trace import trace_call  # noqa: E402
@@ -601,6 +602,7 @@ def header(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     env = environment(device)
     env["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     env["recompile_limit"] = torch._dynamo.config.recompile_limit
+    env["traced_int8"] = os.environ.get(TRACED_INT8_ENV, "auto")  # which ops a compiled graph's INT8 linears become
     if device.type == "cuda":
         env["device_memory_gb"] = torch.cuda.get_device_properties(device).total_memory / GB
     return {"environment": env, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
@@ -960,7 +962,8 @@ def title(data: dict[str, Any], detail: str = "") -> str:
     env, m = data["environment"], data["model"]
     return (f"\n{m['name']}{' (tiny)' if m['tiny'] else ''}: {m['class']} {params(m['params'])} params, "
             f"{m['tokens']} {m['token_kind']} tokens; {detail}{env.get('device_name')}; torch {env['torch']}, "
-            f"triton {env['triton']}, diffusers {env['diffusers']}; {env['date']}")
+            f"triton {env['triton']}, diffusers {env['diffusers']}; {env['date']}"
+            + (f"; {TRACED_INT8_ENV}={env['traced_int8']}" if env.get("traced_int8", "auto") != "auto" else ""))
 
 
 def print_rows(rows: list[dict[str, Any]], columns: list[Column], first: str = "row", width: int = 18) -> None:
