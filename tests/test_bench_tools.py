@@ -2,7 +2,7 @@
 hosts' rows, the torchao peer recorded as skipped with its reason where it cannot run (no CUDA here, torchao a
 benchmark-only extra), the drift check's cosine and PSNR fields, TiRex-2's host timed again after detach. Eager rows
 only: a compiled row on the CPU costs a minute of inductor. tools/bench_gemm_gluon.py refuses a machine without an
-sm_90 GPU by name."""
+sm_90 GPU by name, and tools/bench_quant_rows.py one without CUDA."""
 
 import json
 import math
@@ -209,3 +209,18 @@ def test_bench_gemm_gluon_names_what_it_needs_and_checks_its_shapes(capsys):
     with pytest.raises(SystemExit):
         bench_gemm_gluon.main(["--shapes", "256,256"])
     assert "a shape is M,K,N" in capsys.readouterr().err
+
+
+def test_bench_quant_rows_names_what_it_needs_and_checks_its_cases(capsys):
+    import bench_quant_rows
+
+    with pytest.raises(SystemExit):
+        bench_quant_rows.main(["--cases", "4429,9728,relu"])
+    assert "a case is ROWS,K,ACTIVATION with ACTIVATION one of gelu, gelu_tanh, silu, none" in capsys.readouterr().err
+    assert bench_quant_rows.case("4429,9728,none") == (4429, 9728, None)
+    assert bench_quant_rows.case("24576,16384,gelu_tanh") == (24576, 16384, "gelu_tanh")
+    if bench_model.torch.cuda.is_available():
+        return  # the tool would run
+    with pytest.raises(SystemExit):
+        bench_quant_rows.main(["--cases", "64,128,none"])
+    assert "needs a CUDA GPU" in capsys.readouterr().err
