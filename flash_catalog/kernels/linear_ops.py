@@ -72,6 +72,7 @@ def _traceable(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: 
         if prepared and x2.shape[1] <= MAX_FUSED_ROW and (activation is not None or _kernel_rows()):
             # a feed-forward's inner activation: its input is the up-projection's output, an opaque op, so
             # inductor has nothing to fuse the quantiser into; the kernel's one pass over the row beats its two
+            # (policy "kernel_rows": every row, the producer's output written out for it)
             codes, scale = torch.ops.flash_catalog.quantize_rows_int8(x2, activation)
         else:
             codes, scale = quantize_rows_int8_torch(x2, None, activation)
