@@ -91,7 +91,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from flash_catalog import Plan, attach, detach  # noqa: E402
 from flash_catalog.capture.stance import user_compiled  # noqa: E402
-from flash_catalog.kernels.linear_ops import TRACED_INT8_ENV  # noqa: E402
+from flash_catalog.kernels.linear_ops import TRACED_INT8_ENV, traced_int8_policy  # noqa: E402
 from flash_catalog.plan.environment import environment  # noqa: E402
 from host_profile import profile_call  # noqa: E402
 from step_trace import trace_call  # noqa: E402
@@ -602,7 +602,7 @@ def header(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     env = environment(device)
     env["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     env["recompile_limit"] = torch._dynamo.config.recompile_limit
-    env["traced_int8"] = os.environ.get(TRACED_INT8_ENV, "auto")  # which ops a compiled graph's INT8 linears become
+    env["traced_int8"] = traced_int8_policy()  # which ops a compiled graph's INT8 linears become
     if device.type == "cuda":
         env["device_memory_gb"] = torch.cuda.get_device_properties(device).total_memory / GB
     return {"environment": env, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},

@@ -124,7 +124,7 @@ def _prepared_rows(m: object, device: torch.device) -> bool:
     return _gluon_traced(-1 if device.index is None else device.index)
 
 
-def _policy() -> str:
+def traced_int8_policy() -> str:
     """`TRACED_INT8_ENV`'s setting, checked: one of `TRACED_INT8_POLICIES`."""
     import os
 
@@ -138,14 +138,14 @@ def _policy() -> str:
 def _kernel_rows() -> bool:
     """Whether every row of a prepared GEMM is quantised by `quantize_rows_int8` (policy "kernel_rows"): a constant
     to the tracer."""
-    return _policy() == "kernel_rows"
+    return traced_int8_policy() == "kernel_rows"
 
 
 @torch.compiler.assume_constant_result
 def _gluon_traced(index: int) -> bool:
     """The policy (`TRACED_INT8_ENV`) and whether the Gluon kernel serves CUDA device `index` (-1: the current
     one): a constant to the tracer, which runs it once instead of tracing it."""
-    if _policy() == "triton_op" or not torch.cuda.is_available():
+    if traced_int8_policy() == "triton_op" or not torch.cuda.is_available():
         return False
     try:
         from .int8_gemm_gluon import serves_device
