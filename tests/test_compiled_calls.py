@@ -9,6 +9,15 @@ from torch._dynamo.utils import counters
 from flash_catalog.capture.compiled_calls import CompiledCalls
 
 
+class _Scale(nn.Module):
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        return y * self.factor
+
+
 def test_calls_of_one_kind_share_a_graph_and_each_runs_its_own_weights():
     torch._dynamo.reset()
     counters.clear()
@@ -22,15 +31,16 @@ def test_calls_of_one_kind_share_a_graph_and_each_runs_its_own_weights():
 
 
 def test_a_code_object_serves_at_most_the_recompile_limit_so_failing_guards_never_fall_back_to_eager():
-    """Callables whose guards fail at every call (a constant specialised into each graph): with a limit of 2, six
-    calls of one kind take three code objects and six graphs, none past the limit (where a fullgraph compile
-    raises), and each result is its own."""
+    """Callables whose guards fail at every call (a module's float attribute specialised into each graph): with a
+    limit of 2, six calls of one kind take three code objects and six graphs, none past the limit (where a fullgraph
+    compile raises), and each result is its own. (A module, as the gate passes: torch 2.11's dynamo does not guard a
+    plain function's default arguments, so lambdas that differ only there would share a graph.)"""
     torch._dynamo.reset()
     counters.clear()
     calls = CompiledCalls()
     x = torch.randn(4, 8)
     with torch._dynamo.config.patch(recompile_limit=2):
-        outs = [calls.call("scale", lambda y, c=float(i): y * c, x)() for i in range(6)]
+        outs = [calls.call("scale", _Scale(float(i)), x)() for i in range(6)]
     assert all(torch.equal(out, x * i) for i, out in enumerate(outs))
     assert counters["stats"]["unique_graphs"] == 6
     calls.clear()
