@@ -21,6 +21,7 @@ from .adapters.pipelines import denoisers
 from .adapters.swap import state_of
 from .capture.blocks import Blocks, find_blocks
 from .capture.calibration import Calibration, Progress
+from .capture.compiled_regions import CompiledRegions, role
 from .capture.mask_check import MaskReuse
 from .capture.stance import CalibrationStance
 from .catalog.catalog import Catalog, build_form
@@ -96,7 +97,7 @@ def attach(model: nn.Module | Any, example: Example, options: AttachOptions | No
         job.agreement.check(records)
         attachment.bind(calibration.bound_keys, calibration.staging_keys())
         step(STEP)
-        checked = _check_step(check, unchecked, attachment, records)
+        checked = _check_step(check, unchecked, attachment, records, job.tops())
     _log_outcome(model, records, job.host_calls)
     return Plan(sites=records, environment=job.environment,
                 options=options.recorded([s.name for s in job.specs], [s.name for s in job.ffn_specs]),
@@ -208,13 +209,16 @@ class Job:
             return None, "min_speedup=0 binds every form that qualifies"
         return StepCheck(self.run_example, _model_device(self.host) or torch.device("cpu"), self.agreement), ""
 
+    def tops(self) -> list[nn.Module]:
+        """The host's models: the model, or a pipeline's denoisers."""
+        return list(self.host.values()) if isinstance(self.host, nn.ModuleDict) else [self.host]
+
     def calibrate(self, calibration: Calibration) -> None:
         """The example call, eager and without autograd; each (site, shape) it meets is decided then (a compiled
         block's projections when the block returns). Counts the calls it makes of the host's modules
         (`host_calls`: the model, or a pipeline's denoisers)."""
         started = time.perf_counter()
-        tops = list(self.host.values()) if isinstance(self.host, nn.ModuleDict) else [self.host]
-        hooks = [m.register_forward_pre_hook(self._count_call) for m in tops]
+        hooks = [m.register_forward_pre_hook(self._count_call) for m in self.tops()]
         try:
             with torch.no_grad(), calibration.stance.host(), calibration.blocks.watching(calibration.finish_block):
                 self.run_example()
@@ -278,12 +282,15 @@ class _Transaction:
 
 
 def _check_step(check: StepCheck | None, unchecked: str, attachment: Attachment,
-                records: list[SiteRecord]) -> StepRecord:
-    """The step check's verdict; the sites it drops are sent back to the host and their records say so."""
+                records: list[SiteRecord], models: Sequence[nn.Module]) -> StepRecord:
+    """The step check's verdict; the sites it drops are sent back to the host and their records say so. In a model
+    with compiled regions a role goes back in every block at once (capture/compiled_regions.py)."""
     bound = [Binding(r.name, r.gain_ms) for r in records if r.outcome == "bound"]
     if check is None or not bound:
         return StepRecord.not_checked(unchecked or "nothing was bound")
-    checked = check.settle(bound, attachment.drop)
+    regions = CompiledRegions.of(models)  # the model's own compiled blocks: drop a role in all of them at once
+    checked = regions.dropping(lambda: check.settle(bound, attachment.drop, role if regions else None),
+                               lambda record: bool(record.dropped))
     dropped, why = set(checked.dropped), checked.describe()
     for record in records:
         if record.name in dropped:

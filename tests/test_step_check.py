@@ -142,3 +142,50 @@ def test_a_long_example_call_is_timed_in_four_calls_a_side_its_sizing_call_the_f
     check = StepCheck(lambda: calls.append(time.perf_counter()), torch.device("cpu"), Agreement())
     check.time_host()
     assert len(calls) > 2 + 3 and len(check.host_s) == 3
+
+
+def _compiled_sd3(layers: int):
+    """A tiny SD3 transformer (its last block has no `to_add_out`: two block structures) compiled block by block,
+    as diffusers' `compile_repeated_blocks(fullgraph=True)` does, and its example."""
+    from diffusers import SD3Transformer2DModel
+
+    torch.manual_seed(0)
+    model = SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=layers, attention_head_dim=8,
+                                  num_attention_heads=2, joint_attention_dim=16, caption_projection_dim=16,
+                                  pooled_projection_dim=16, out_channels=4, pos_embed_max_size=16)
+    model._repeated_blocks = list(model._no_split_modules)  # diffusers 0.42 names none for SD3
+    model.compile_repeated_blocks(fullgraph=True, backend="aot_eager")
+    g = torch.Generator().manual_seed(0)
+    inputs = {"hidden_states": torch.randn(1, 4, 8, 8, generator=g),
+              "encoder_hidden_states": torch.randn(1, 8, 16, generator=g),
+              "pooled_projections": torch.randn(1, 16, generator=g), "timestep": torch.tensor([1.0]),
+              "return_dict": False}
+    return model, inputs
+
+
+def test_a_compiled_model_drops_a_role_in_every_block_and_stays_within_the_recompile_limit(monkeypatch, fresh_dynamo):
+    """A compiled 12-block model whose step the check finds slower drops bindings by role (every block's `to_q`
+    at once, never a mix that differs block by block), within dynamo's limit of 8 graphs a code, and the model
+    still runs compiled after attach and after detach, the host's bits both times. (Dropped site by site, the
+    blocks' mixes took a ninth graph and the fullgraph compile raised.)"""
+    import flash_catalog.decide.step as step
+    from flash_catalog.capture.compiled_regions import role
+
+    model, inputs = _compiled_sd3(12)
+    reference = run(model, inputs)[0]
+    timed = step.summarize
+    monkeypatch.setattr(step, "summarize", lambda host, attached, device: timed(host, [10 * s for s in attached],
+                                                                                   device))  # the step reads slower
+    assert torch._dynamo.config.recompile_limit == 8
+    plan = attach(model, inputs, attention_forms=[], ffn_forms=["int8_rowwise"],
+                  projections=["*attn*.to_q", "*attn*.to_k"], min_speedup=1e-6)
+    monkeypatch.setattr(step, "summarize", timed)
+    dropped = plan.step.dropped
+    assert plan.step.outcome is StepOutcome.NO_NET_WIN and len(dropped) > 24, str(plan)
+    roles = [role(site) for site in dropped]
+    assert all(roles.index(r) + roles.count(r) - 1 == max(i for i, x in enumerate(roles) if x == r) for r in roles)
+    assert roles.count("transformer_blocks.*.attn.to_q") == 12  # every block's, together
+    assert torch._dynamo.config.recompile_limit == 8
+    assert torch.equal(run(model, inputs)[0], reference)
+    detach(plan)
+    assert torch.equal(run(model, inputs)[0], reference)

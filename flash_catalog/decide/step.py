@@ -102,23 +102,30 @@ class StepCheck:
     def time_host(self) -> None:
         self.host_s = self._time()
 
-    def settle(self, bindings: Sequence[Binding], drop: Callable[[Sequence[str]], None]) -> StepRecord:
+    def settle(self, bindings: Sequence[Binding], drop: Callable[[Sequence[str]], None],
+               unit: Callable[[str], str] | None = None) -> StepRecord:
         """Time the attached call (an undecided timing twice); while it is not surely faster, `drop` the next
         bindings (1, 2, 4, ... of them, smallest gain first) and time again. Returns the last timing with a binding
-        left, and every site dropped (all of them: no net win, untimed once nothing is left)."""
-        order = [b.site for b in sorted(bindings, key=lambda b: b.gain_ms)]
+        left, and every site dropped (all of them: no net win, untimed once nothing is left). With `unit`, the
+        bindings of one unit (`unit(site)`) are dropped together, the units ordered by their summed gain."""
+        units: dict[str, list[Binding]] = {}
+        for b in bindings:
+            units.setdefault(unit(b.site) if unit else b.site, []).append(b)
+        order = [[b.site for b in members]
+                 for members in sorted(units.values(), key=lambda members: sum(b.gain_ms for b in members))]
         dropped: list[str] = []
-        batch = 1
+        taken, batch = 0, 1
         while True:
             timing = self._timing()
             if timing.verdict(1.0) is SpeedVerdict.UNDECIDED:
                 timing = self._timing()  # once more: with 3 rounds, one disturbed round leaves it undecided
             if timing.verdict(1.0) is SpeedVerdict.FASTER:
                 return StepRecord.of(StepOutcome.TRIMMED if dropped else StepOutcome.FASTER, timing, dropped)
-            now = order[len(dropped):len(dropped) + batch]
+            now = [site for members in order[taken:taken + batch] for site in members]
             drop(now)
             dropped += now
-            if len(dropped) == len(order):
+            taken += batch
+            if taken >= len(order):
                 return StepRecord.of(StepOutcome.NO_NET_WIN, timing, dropped)
             batch *= 2
 
