@@ -31,11 +31,8 @@ def test_policy_keeps_the_triton_op_off_hopper_and_below_the_row_floor(monkeypat
 
 def test_policy_names_a_bad_setting_and_the_allowed_ones(monkeypatch):
     monkeypatch.setenv(linear_ops.TRACED_INT8_ENV, "fastest")
-    with pytest.raises(ValueError, match=r"FLASH_CATALOG_TRACED_INT8='fastest'; allowed: 'auto', 'kernel_rows', "
-                                         r"'triton_op'"):
+    with pytest.raises(ValueError, match=r"FLASH_CATALOG_TRACED_INT8='fastest'; allowed: 'auto', 'triton_op'"):
         linear_ops._gluon_traced(0)
-    with pytest.raises(ValueError, match=r"FLASH_CATALOG_TRACED_INT8='fastest'"):
-        linear_ops._kernel_rows()
 
 
 def test_prepared_op_on_cpu_is_the_checked_torch_path_and_its_fake_the_output_shape():
@@ -97,15 +94,13 @@ def test_quantiser_op_on_cpu_is_the_torch_path_and_its_fake_the_codes_and_scales
     torch.library.opcheck(quantiser_op, (x, "gelu_tanh"))  # schema, fake, and dispatch under aot_autograd
 
 
-@pytest.mark.parametrize("policy", ["auto", "kernel_rows"])
-def test_a_traced_feed_forward_activation_is_quantised_by_the_op_only_where_the_gemm_is_prepared(monkeypatch, policy):
+def test_a_traced_feed_forward_activation_is_quantised_by_the_op_only_where_the_gemm_is_prepared(monkeypatch):
     """Where the policy makes the GEMM `int8_matmul_prepared` (forced here: on the CPU it never does), a fused
     activation's rows go through `quantize_rows_int8` (nothing precedes them to fuse into); rows without an
-    activation keep the torch quantiser, for inductor to fuse into the op before it, unless the policy is
-    "kernel_rows"."""
+    activation keep the torch quantiser, for inductor to fuse into the op before it."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    monkeypatch.setenv(linear_ops.TRACED_INT8_ENV, policy)
+    monkeypatch.delenv(linear_ops.TRACED_INT8_ENV, raising=False)
     torch.manual_seed(0)
     wq, ws = quantize_weight_int8(torch.randn(48, 32))
     bias = torch.randn(48)
@@ -126,8 +121,7 @@ def test_a_traced_feed_forward_activation_is_quantised_by_the_op_only_where_the_
                     torch.testing.assert_close(out, linear(x), rtol=2e-2, atol=2e-2)
             ops = _ops_in(counter.graphs[0])
             quantised_by_op = any("quantize_rows_int8" in op for op in ops)
-            by_kernel = activation is not None or policy == "kernel_rows"
-            assert quantised_by_op == (prepared and by_kernel), (prepared, activation, ops)
+            assert quantised_by_op == (prepared and activation is not None), (prepared, activation, ops)
             assert any("int8_matmul_prepared" in op for op in ops) == prepared, ops
     torch._dynamo.reset()
 

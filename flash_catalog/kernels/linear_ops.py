@@ -12,7 +12,7 @@
   its prepared launcher (`int8_gemm_choice`; `TRACED_INT8_ENV` chooses). There, a feed-forward's inner activation
   and its row quantiser are the op `flash_catalog::quantize_rows_int8` (the quantiser kernel's one pass over each
   row, which inductor's reduction makes in two), since its input is the up-projection's opaque output and nothing
-  precedes it to fuse into (`TRACED_INT8_ENV="kernel_rows"`: every row of a prepared GEMM). The torch quantisers
+  precedes it to fuse into; other rows keep the torch quantisers, fused into the op before them. The torch quantisers
   give the Triton kernels' bits; inductor's own code for them may round a division differently now and then.
 * `flash_catalog::nvfp4_linear(x, w_codes, w_block_scale, w_global_scale, bias, out_dtype)`: the exact NVFP4
   emulation (`nvfp4.nvfp4_linear`) of a weight (N, K) given by its packed codes (N, K // 2), one opaque op.
@@ -69,10 +69,9 @@ def _traceable(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: 
         from .int8_gemm import MAX_FUSED_ROW, quantize_rows_int8_torch
 
         prepared = _prepared_rows(x2.shape[0], w_q.device)
-        if prepared and x2.shape[1] <= MAX_FUSED_ROW and (activation is not None or _kernel_rows()):
+        if prepared and x2.shape[1] <= MAX_FUSED_ROW and activation is not None:
             # a feed-forward's inner activation: its input is the up-projection's output, an opaque op, so
             # inductor has nothing to fuse the quantiser into; the kernel's one pass over the row beats its two
-            # (policy "kernel_rows": every row, the producer's output written out for it)
             codes, scale = torch.ops.flash_catalog.quantize_rows_int8(x2, activation)
         else:
             codes, scale = quantize_rows_int8_torch(x2, None, activation)
@@ -107,12 +106,9 @@ if not hasattr(torch.library, "triton_op"):  # a custom op needs its fake; a tri
 TRACED_INT8_ENV = "FLASH_CATALOG_TRACED_INT8"
 """Which ops a traced INT8 linear becomes, read when a graph is traced: "auto" (default: `int8_matmul_prepared` at
 `PREPARED_MIN_ROWS` rows or more on a GPU the Gluon kernel serves, with `quantize_rows_int8` for a fused activation's
-rows, else `int8_matmul` after torch quantisers); "kernel_rows" (as "auto", and every row of a prepared GEMM
-quantised by `quantize_rows_int8`, with or without an activation: the producer's output is written out for the
-kernel's one pass, where "auto" leaves inductor to fuse the quantiser into it in two; a setting to measure, as
-BENCHMARKS.md has not yet shown which wins where); or "triton_op" (always `int8_matmul`, whose Triton kernel
-inductor launches, after torch quantisers)."""
-TRACED_INT8_POLICIES = ("auto", "kernel_rows", "triton_op")
+rows, else `int8_matmul` after torch quantisers) or "triton_op" (always `int8_matmul`, whose Triton kernel inductor
+launches, after torch quantisers)."""
+TRACED_INT8_POLICIES = ("auto", "triton_op")
 PREPARED_MIN_ROWS = 1024
 """Fewer rows than this keep the Triton op: the Gluon kernel's tiles gain nothing there (BENCHMARKS.md)."""
 
@@ -132,13 +128,6 @@ def traced_int8_policy() -> str:
     if policy not in TRACED_INT8_POLICIES:
         raise ValueError(f"{TRACED_INT8_ENV}={policy!r}; allowed: {', '.join(map(repr, TRACED_INT8_POLICIES))}")
     return policy
-
-
-@torch.compiler.assume_constant_result
-def _kernel_rows() -> bool:
-    """Whether every row of a prepared GEMM is quantised by `quantize_rows_int8` (policy "kernel_rows"): a constant
-    to the tracer."""
-    return traced_int8_policy() == "kernel_rows"
 
 
 @torch.compiler.assume_constant_result
