@@ -32,7 +32,7 @@ def _call(fn: Call, *args: Any, **kwargs: Any) -> Any:
     return fn(*args, **kwargs)
 
 
-def _recompile_limit() -> int:
+def recompile_limit() -> int:
     """Dynamo's cache entries per code object (`recompile_limit`, `cache_size_limit` on older torches)."""
     config = torch._dynamo.config
     return int(getattr(config, "recompile_limit", getattr(config, "cache_size_limit", 8)))
@@ -55,7 +55,7 @@ class CompiledCalls:
         """`fn(*args, **kwargs)` through the compiled code object of `kind`, run compiled also where the stance in
         force is `force_eager` (`gate_compiled=True` asked for it)."""
         compiled, served = self._compiled.get(kind, (None, 0))
-        if compiled is None or served >= _recompile_limit():
+        if compiled is None or served >= recompile_limit():
             compiled, served = _private_compiled(), 0
         self._compiled[kind] = (compiled, served + 1)
 

@@ -18,6 +18,8 @@ from typing import Callable, Iterable, TypeVar
 import torch
 from torch import nn
 
+from .compiled_calls import recompile_limit
+
 DROP_RECOMPILE_LIMIT = 64
 """Graphs a compiled code may hold while the step check drops roles (a few per timing, a handful of timings)."""
 
@@ -65,7 +67,7 @@ class CompiledRegions:
         if not self.codes:
             return settle()
         name = _limit_name()
-        limit = max(int(getattr(torch._dynamo.config, name)), DROP_RECOMPILE_LIMIT)
+        limit = max(recompile_limit(), DROP_RECOMPILE_LIMIT)
         try:
             with torch._dynamo.config.patch(**{name: limit}):
                 result = settle()
