@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -144,7 +145,7 @@ def test_a_long_example_call_is_timed_in_four_calls_a_side_its_sizing_call_the_f
     assert len(calls) > 2 + 3 and len(check.host_s) == 3
 
 
-def _compiled_sd3(layers: int):
+def _compiled_sd3(layers: int, backend: Any = "aot_eager"):
     """A tiny SD3 transformer (its last block has no `to_add_out`: two block structures) compiled block by block,
     as diffusers' `compile_repeated_blocks(fullgraph=True)` does, and its example."""
     from diffusers import SD3Transformer2DModel
@@ -154,7 +155,7 @@ def _compiled_sd3(layers: int):
                                   num_attention_heads=2, joint_attention_dim=16, caption_projection_dim=16,
                                   pooled_projection_dim=16, out_channels=4, pos_embed_max_size=16)
     model._repeated_blocks = list(model._no_split_modules)  # diffusers 0.42 names none for SD3
-    model.compile_repeated_blocks(fullgraph=True, backend="aot_eager")
+    model.compile_repeated_blocks(fullgraph=True, backend=backend)
     g = torch.Generator().manual_seed(0)
     inputs = {"hidden_states": torch.randn(1, 4, 8, 8, generator=g),
               "encoder_hidden_states": torch.randn(1, 8, 16, generator=g),
@@ -187,5 +188,48 @@ def test_a_compiled_model_drops_a_role_in_every_block_and_stays_within_the_recom
     assert roles.count("transformer_blocks.*.attn.to_q") == 12  # every block's, together
     assert torch._dynamo.config.recompile_limit == 8
     assert torch.equal(run(model, inputs)[0], reference)
+    detach(plan)
+    assert torch.equal(run(model, inputs)[0], reference)
+
+
+def test_a_compiled_model_with_diffusers_attention_bound_drops_a_role_and_runs_the_rest_compiled(monkeypatch,
+                                                                                                 fresh_dynamo):
+    """SD3's attention modules are diffusers' `Attention`, a class diffusers marks `allow_in_graph`. Bound, their
+    swapped forward runs the host's inside the site's frame; read off that class in traced code, dynamo refused it
+    ("Unsupported method call ... forward of class type") at the step check's first compiled call, and the attach
+    failed. Now the step check times the compiled blocks with attention and feed-forward bound, drops the `ff`
+    role (the smallest gain) in both blocks, keeps the rest, and the compiled model routes it: the attached eager
+    bits, and the host's after detach."""
+    import flash_catalog.decide.step as step
+    from torch._dynamo.testing import EagerAndRecordGraphs
+    from torch._dynamo.utils import counters
+
+    recorder = EagerAndRecordGraphs()
+    model, inputs = _compiled_sd3(2, recorder)
+    reference = run(model, inputs)[0]
+    monkeypatch.setattr(SiteRecord, "gain_ms", property(lambda self: 0.0 if self.name.endswith(".ff") else 100.0))
+    timed, timings = step.summarize, [0]
+
+    def first_slower(host, attached, device):  # slower at the first timing, faster after the first drop
+        timings[0] += 1
+        return timed(host, [(10 if timings[0] == 1 else 0.1) * s for s in attached], device)
+
+    monkeypatch.setattr(step, "summarize", first_slower)
+    plan = attach(model, inputs, attention_forms=["sdpa_dense"], ffn_forms=["fp8_rowwise"], min_speedup=1e-6)
+    monkeypatch.setattr(step, "summarize", timed)
+    ff = ["transformer_blocks.0.ff", "transformer_blocks.1.ff"]  # the last block has no `ff_context`
+    assert plan.step.outcome is StepOutcome.TRIMMED and plan.step.dropped == ff, str(plan)
+    assert {s.name: (s.outcome, s.form) for s in plan.sites} == {
+        "transformer_blocks.0.attn#0": ("bound", "sdpa_dense"), "transformer_blocks.1.attn#0": ("bound", "sdpa_dense"),
+        "transformer_blocks.0.ff_context": ("bound", "fp8_rowwise"), **dict.fromkeys(ff, ("declined", "fp8_rowwise"))}
+    with torch.compiler.set_stance("force_eager"):
+        attached = run(model, inputs)[0]
+    counters.clear()
+    recorder.graphs.clear()
+    compiled = run(model, inputs)[0]  # the blocks' graphs were reset after the drop: compiled anew, attention bound
+    assert len(recorder.graphs) == 2 and counters["graph_break"] == {}  # one per block structure
+    ops = [[str(n.target) for n in g.graph.nodes if n.op == "call_function"] for g in recorder.graphs]
+    assert [o.count("flash_catalog.attention.default") for o in ops] == [1, 1]
+    assert torch.equal(compiled, attached)
     detach(plan)
     assert torch.equal(run(model, inputs)[0], reference)

@@ -24,11 +24,17 @@ from .swap import STATE, Attached, ForwardFor, swap_refusal
 
 def framed_forward_for(host: type) -> Callable[..., Any]:
     """The forward of a routed attention site module's class (`swap.ForwardFor`): the host's forward inside the
-    module's frame."""
+    module's frame.
+
+    The host's forward function is read here, once, not from the class in the traced forward: diffusers marks its
+    `Attention` class `allow_in_graph`, and dynamo (2.13) takes such a class for an in-graph callable, on which it
+    cannot trace `host.forward(module, ...)` ("Unsupported method call ... forward of class type"). The function
+    itself dynamo inlines like the host's own call."""
+    forward = host.forward
 
     def framed_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         slot = module.__dict__[STATE]  # `state_of`, inline: this runs at every call of a routed site
-        return slot.router.framed(slot, host.forward, module, args, kwargs)
+        return slot.router.framed(slot, forward, module, args, kwargs)
 
     return framed_forward
 
