@@ -187,7 +187,7 @@ def test_host_profile_names_the_functions_a_call_spends_its_time_in():
     assert profiled.calls >= 4 and profiled.to_dict()["total_ms"] == profiled.total_ms
 
 
-def test_step_trace_counts_overlapping_device_work_once_and_the_gaps_as_idle():
+def test_step_trace_counts_overlapping_device_work_once_and_the_gaps_as_idle_before_the_launch_that_ends_them():
     events = [{"cat": "kernel", "name": "gemm", "ts": 0, "dur": 400},
               {"cat": "kernel", "name": "attn", "ts": 300, "dur": 300},  # overlaps gemm by 100 us
               {"cat": "gpu_memcpy", "name": "copy", "ts": 1000, "dur": 200},  # after a 400 us gap
@@ -198,6 +198,8 @@ def test_step_trace_counts_overlapping_device_work_once_and_the_gaps_as_idle():
     assert t.kernel_ms == pytest.approx(1.4) and t.busy_ms == pytest.approx(1.3)
     assert t.span_ms == pytest.approx(2.0) and t.idle_ms == pytest.approx(0.7)
     assert t.top == (("gemm", pytest.approx(0.9), 2), ("attn", pytest.approx(0.3), 1))
+    # each idle interval falls on the launch the GPU waited for: 400 us before the copy, 300 us before the gemm
+    assert t.waits == (("copy", pytest.approx(0.4), 1), ("gemm", pytest.approx(0.3), 1))
     assert step_trace.summarise([{"cat": "cpu_op", "name": "x", "ts": 0, "dur": 1}]) is None
 
 

@@ -992,6 +992,8 @@ def print_tables(data: dict[str, Any]) -> None:
             t = r["trace"]
             print(f"trace: {r['row']} ({r['profile'] or '-'}): {t['launches']} launches, busy {t['busy_ms']:.1f} ms, "
                   f"idle {t['idle_ms']:.1f} ms; top: " + "; ".join(f"{n} {ms:.1f} ms x{c}" for n, ms, c in t["top"]))
+            if t.get("waits"):
+                print("  idle before: " + "; ".join(f"{n} {ms:.2f} ms x{c}" for n, ms, c in t["waits"]))
     for r in data["rows"]:
         if r.get("host_profile"):
             h = r["host_profile"]

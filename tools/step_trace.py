@@ -1,9 +1,11 @@
 """One call under torch.profiler (device activity only): where a step's GPU time goes, and how long the GPU waits.
 
 `busy_ms` is the union of the device's kernel, copy and set intervals; `idle_ms` the rest of their span: time the
-GPU waited for the host inside the step. A step whose idle time grows when attached is paying host cost (launches,
-Python) that the GPU does not hide; one whose busy time grows runs slower kernels (or a lower clock). The profiler
-adds a few microseconds a launch on the host, so idle time reads a little high in both rows alike."""
+GPU waited for the host inside the step. `waits` puts each idle interval on the kernel that ended it, the launch the
+GPU waited for, summed by name: which calls the host was late with. A step whose idle time grows when attached is
+paying host cost (launches, Python) that the GPU does not hide; one whose busy time grows runs slower kernels (or a
+lower clock). The profiler adds a few microseconds a launch on the host, so idle time reads a little high in both
+rows alike."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ class StepTrace:
     span_ms: float  # first start to last end
     idle_ms: float  # span less busy: the GPU waiting inside the step
     top: tuple[tuple[str, float, int], ...]  # (name, ms, count), most time first
+    waits: tuple[tuple[str, float, int], ...] = ()  # (name of the kernel after an idle interval, idle ms, count)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -41,9 +44,13 @@ def summarise(events: Iterable[dict[str, Any]], top: int = 10, name_chars: int =
     if not spans:
         return None
     busy, start, end = 0.0, spans[0][0], spans[0][1]
-    for s, e, _ in spans[1:]:
+    waited: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for s, e, name in spans[1:]:
         if s > end:
             busy += end - start
+            entry = waited[name[:name_chars]]
+            entry[0] += s - end
+            entry[1] += 1
             start, end = s, e
         else:
             end = max(end, e)
@@ -54,10 +61,13 @@ def summarise(events: Iterable[dict[str, Any]], top: int = 10, name_chars: int =
         entry = by_name[name[:name_chars]]
         entry[0] += e - s
         entry[1] += 1
-    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+
+    def ranked(totals: dict[str, list[float]]) -> tuple[tuple[str, float, int], ...]:
+        order = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
+        return tuple((name, ms / 1e3, int(n)) for name, (ms, n) in order)
+
     return StepTrace(launches=len(spans), kernel_ms=sum(e - s for s, e, _ in spans) / 1e3, busy_ms=busy / 1e3,
-                     span_ms=span / 1e3, idle_ms=(span - busy) / 1e3,
-                     top=tuple((name, ms / 1e3, int(n)) for name, (ms, n) in ranked))
+                     span_ms=span / 1e3, idle_ms=(span - busy) / 1e3, top=ranked(by_name), waits=ranked(waited))
 
 
 def trace_call(fn: Callable[[], Any], device: torch.device, top: int = 10) -> StepTrace | None:
