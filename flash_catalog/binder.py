@@ -85,7 +85,7 @@ def attach(model: nn.Module | Any, example: Example, options: AttachOptions | No
     calibration = job.calibration()
     installation = Installation.of(job.adapter, job.modules, job.ffn_modules, calibration.meet_attention,
                                    calibration.meet_ffn, offload=not options.keep_host_on_device)
-    attachment = Attachment(installation, job.forms, job.staging, calibration.routes)
+    attachment = Attachment(installation, job.forms, job.staging, calibration.routes, rewrites=bool(job.ffn_forms))
     check, unchecked = job.step_check()
     with _Transaction(attachment, calibration) as step:
         step(HOST_STEP, check.time_host if check else None)

@@ -97,7 +97,8 @@ def test_quantiser_op_on_cpu_is_the_torch_path_and_its_fake_the_codes_and_scales
 def test_a_traced_feed_forward_activation_is_quantised_by_the_op_only_where_the_gemm_is_prepared(monkeypatch):
     """Where the policy makes the GEMM `int8_matmul_prepared` (forced here: on the CPU it never does), a fused
     activation's rows go through `quantize_rows_int8` (nothing precedes them to fuse into); rows without an
-    activation keep the torch quantiser, for inductor to fuse into the op before it."""
+    activation keep the torch quantiser, for inductor to fuse into the op before it, as the one node
+    `quantize_rows_int8_fusable` in dynamo's graph."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     monkeypatch.delenv(linear_ops.TRACED_INT8_ENV, raising=False)
@@ -120,8 +121,10 @@ def test_a_traced_feed_forward_activation_is_quantised_by_the_op_only_where_the_
                 else:  # the Triton op's traceable path: a code may round one step apart
                     torch.testing.assert_close(out, linear(x), rtol=2e-2, atol=2e-2)
             ops = _ops_in(counter.graphs[0])
-            quantised_by_op = any("quantize_rows_int8" in op for op in ops)
+            quantised_by_op = "flash_catalog.quantize_rows_int8" in ops
             assert quantised_by_op == (prepared and activation is not None), (prepared, activation, ops)
+            # plain rows: the torch quantiser as one node that AOT decomposes (or `cat_rows_rewrite` replaces)
+            assert ("flash_catalog.quantize_rows_int8_fusable" in ops) == (activation is None), ops
             assert any("int8_matmul_prepared" in op for op in ops) == prepared, ops
     torch._dynamo.reset()
 

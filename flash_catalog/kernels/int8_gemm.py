@@ -107,8 +107,9 @@ def _row_part(X, SMOOTH, rows64, row_ok, stride_xm, K, first: tl.constexpr, HAS_
 
 
 @triton.jit
-def _store_codes(Q, rows64, row_ok, K, x, inv, first: tl.constexpr, WIDTH: tl.constexpr):
-    """x * inv rounded half away from zero to INT8 codes, stored at columns first..first+WIDTH (row-major, K)."""
+def _store_codes(Q, rows64, row_ok, K, x, inv, offset, limit, first: tl.constexpr, WIDTH: tl.constexpr):
+    """x * inv rounded half away from zero to INT8 codes, stored at columns offset + first..first+WIDTH of rows of
+    K codes (row-major), those of the WIDTH below `limit`."""
     v = x * inv[:, None]
     # round half away from zero without the conversion pipe: |v| + 1.5 * 2^23 rounds |v| to the nearest even
     # integer in the low mantissa bits; the exact remainder then moves a tie (r == 0.5, rounded down) up by one
@@ -119,7 +120,8 @@ def _store_codes(Q, rows64, row_ok, K, x, inv, first: tl.constexpr, WIDTH: tl.co
     t = tl.minimum(t + (r == 0.5).to(tl.int32), 127)
     t = tl.where(v < 0, -t, t)
     cols = first + tl.arange(0, WIDTH)
-    tl.store(Q + rows64[:, None] * K + cols[None, :], t.to(tl.int8), mask=row_ok[:, None] & (cols < K)[None, :])
+    tl.store(Q + rows64[:, None] * K + offset + cols[None, :], t.to(tl.int8),
+             mask=row_ok[:, None] & (cols < limit)[None, :])
 
 
 @triton.jit
@@ -141,9 +143,9 @@ def _quant_rows_kernel(X, SMOOTH, Q, S, M, K, stride_xm,
     amax = tl.maximum(amax, 1e-30)
     int8_max = tl.full([BLOCK_M], 127.0, tl.float32)
     inv = tl.math.div_rn(int8_max, amax)
-    _store_codes(Q, rows64, row_ok, K, x, inv, 0, BLOCK_K)
+    _store_codes(Q, rows64, row_ok, K, x, inv, 0, K, 0, BLOCK_K)
     if TAIL_K > 0:
-        _store_codes(Q, rows64, row_ok, K, tail, inv, BLOCK_K, TAIL_K)
+        _store_codes(Q, rows64, row_ok, K, tail, inv, 0, K, BLOCK_K, TAIL_K)
     tl.store(S + rows, tl.math.div_rn(amax, int8_max), mask=row_ok)
 
 

@@ -73,6 +73,8 @@ def _traceable(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: 
             # a feed-forward's inner activation: its input is the up-projection's output, an opaque op, so
             # inductor has nothing to fuse the quantiser into; the kernel's one pass over the row beats its two
             codes, scale = torch.ops.flash_catalog.quantize_rows_int8(x2, activation)
+        elif activation is None:  # the torch quantiser as one node, for `cat_rows_rewrite` to find; then decomposed
+            codes, scale = torch.ops.flash_catalog.quantize_rows_int8_fusable(x2)
         else:
             codes, scale = quantize_rows_int8_torch(x2, None, activation)
         if prepared:
@@ -213,6 +215,41 @@ for _key_name in ("CUDA", "CPU"):
 @torch.library.register_fake("flash_catalog::quantize_rows_int8", lib=_LIB)
 def _(x: torch.Tensor, activation: str | None) -> tuple[torch.Tensor, torch.Tensor]:
     return x.new_empty(x.shape, dtype=torch.int8), x.new_empty((x.shape[0], 1), dtype=torch.float32)
+
+
+_LIB.define("quantize_rows_int8_fusable(Tensor x) -> (Tensor, Tensor)")
+
+
+def _quantize_rows_int8_fusable(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`int8_gemm.quantize_rows_int8_torch(x)`: the op's only kernel (CompositeImplicitAutograd), so AOT autograd
+    decomposes it into the torch ops inductor fuses, unless `cat_rows_rewrite` replaced it first."""
+    from .int8_gemm import quantize_rows_int8_torch
+
+    return quantize_rows_int8_torch(x)
+
+
+_LIB.impl("quantize_rows_int8_fusable", _quantize_rows_int8_fusable, "CompositeImplicitAutograd")
+
+_LIB.define("quantize_cat_rows_int8(Tensor a, Tensor b, str? activation) -> (Tensor, Tensor)")
+
+
+def _quantize_cat_rows_int8(a: torch.Tensor, b: torch.Tensor,
+                            activation: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`cat_rows.quantize_cat_rows_int8`: the codes and scales of `cat([a, activation(b)], 1)`, one pass a row where
+    the kernel serves, else the torch path (the same bits)."""
+    from .cat_rows import quantize_cat_rows_int8
+
+    return quantize_cat_rows_int8(a, b, activation)
+
+
+for _key_name in ("CUDA", "CPU"):
+    _LIB.impl("quantize_cat_rows_int8", _quantize_cat_rows_int8, _key_name)
+
+
+@torch.library.register_fake("flash_catalog::quantize_cat_rows_int8", lib=_LIB)
+def _(a: torch.Tensor, b: torch.Tensor, activation: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return (a.new_empty((a.shape[0], a.shape[1] + b.shape[1]), dtype=torch.int8),
+            a.new_empty((a.shape[0], 1), dtype=torch.float32))
 
 
 @torch.library.custom_op("flash_catalog::nvfp4_linear", mutates_args=())

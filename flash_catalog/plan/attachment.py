@@ -22,7 +22,16 @@ class Attachment:
     forms: Sequence[AttentionForm]
     staging: StagingPool
     routes: RouteTable
+    rewrites: bool = False
+    """Hold `cat_rows_rewrite` from construction to release: feed-forward forms whose traced INT8 rows of a
+    concatenation it gives one pass each, in graphs compiled meanwhile (imported only then: it loads inductor)."""
     released: bool = False
+
+    def __post_init__(self) -> None:
+        if self.rewrites:
+            from ..kernels import cat_rows_rewrite
+
+            cat_rows_rewrite.hold(self)
 
     def bind(self, bound_keys: set, staging_keys: set) -> None:
         """End of calibration: every site routes or is given back to the host; only bound runners and the staging
@@ -42,6 +51,10 @@ class Attachment:
         if self.released:
             return
         self.installation.uninstall()
+        if self.rewrites:
+            from ..kernels import cat_rows_rewrite
+
+            cat_rows_rewrite.let_go(self)
         for form in self.forms:
             form.retain(set())
         self.staging.release()
