@@ -54,6 +54,7 @@ def test_bench_model_image_hosts(model, tmp_path, fresh_clock):
         assert finite(rows[name]["ms"]) and finite(rows[name]["cos_vs_host_eager"])
         assert rows[name]["cos_vs_host_eager"] > 0.999
         assert finite(rows[name]["pipelined_ms"]) and rows[name]["gpu_after"] is None  # no GPU state off CUDA
+        assert 0 < rows[name]["enqueue_ms"] < 10 * rows[name]["ms"]  # on CPU the call's work is the host's
         assert len(rows[name]["gc_collections"]) == 3 and min(rows[name]["gc_collections"]) >= 0
         profiled = rows[name]["host_profile"]
         assert profiled["total_ms"] > 0 and profiled["calls"] > 0

@@ -44,7 +44,8 @@ fingerprint checked against the host's), torchao's
 the same regional compile; on CUDA with torchao only (a benchmark-only extra: `pip install 'flash_catalog[bench]'`),
 else skipped with the reason. It runs last because torchao sets its recommended inductor
 options for the whole process. Each row: median ms over `--steps` timed calls (each synchronised), the same
-number of calls queued back to back ("piped ms": a sampling loop's rate), the GPU's clock, power, temperature and
+number of calls queued back to back ("piped ms": a sampling loop's rate), the median time until an unsynchronised
+call returns ("enqueue ms": Python's share; near the step's ms the host sets the pace), the GPU's clock, power, temperature and
 throttle reasons after them (`gpu_after`, from nvidia-smi), Python's garbage collections during them by generation
 (`gc_collections`: a full one can stall the host for tens of ms), its output's cosine against the host eager
 output, and with `--trace` one more call under torch.profiler (`trace`: the GPU's busy and idle ms within the step,
@@ -490,6 +491,7 @@ def time_steps(model: nn.Module, inputs: dict[str, Any], device: torch.device, w
     record["ms"] = statistics.median(times)
     record["spread"] = (max(times) - min(times)) / record["ms"]
     record["pipelined_ms"] = pipelined_ms(model, inputs, device, steps)
+    record["enqueue_ms"] = enqueue_ms(model, inputs, device, steps)
     record["gpu_after"] = gpu_state(device)
     record["gc_collections"] = [g["collections"] - c for g, c in zip(gc.get_stats(), collections)]
     if trace:
@@ -529,6 +531,20 @@ def pipelined_ms(model: nn.Module, inputs: dict[str, Any], device: torch.device,
             model(**inputs)
     sync(device)
     return (time.perf_counter() - t0) * 1e3 / steps
+
+
+def enqueue_ms(model: nn.Module, inputs: dict[str, Any], device: torch.device, steps: int) -> float:
+    """Median ms until a call returns, the GPU idle when it begins and no sync after: the host's time to enqueue a
+    step. Near the step's ms, the host sets the pace (the GPU waits on Python); well below it, the GPU does."""
+    times = []
+    with torch.no_grad():
+        for _ in range(steps):
+            sync(device)
+            t0 = time.perf_counter()
+            model(**inputs)
+            times.append((time.perf_counter() - t0) * 1e3)
+    sync(device)
+    return statistics.median(times)
 
 
 NOISY = 0.10
@@ -981,6 +997,7 @@ def print_tables(data: dict[str, Any]) -> None:
     print(title(data))
     print_rows(data["rows"], [
         ("ms/step", "9.1f", lambda r: r.get("ms")), ("piped ms", "8.1f", lambda r: r.get("pipelined_ms")),
+        ("enqueue ms", "10.1f", lambda r: r.get("enqueue_ms")),
         ("compile s", "9.1f", lambda r: r.get("compile_s")),
         ("x eager", "7.3f", lambda r: r.get("x_host_eager")), ("x comp.", "7.3f", lambda r: r.get("x_host_compiled")),
         ("cos vs eager", "12.7f", lambda r: r.get("cos_vs_host_eager")),
