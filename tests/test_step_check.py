@@ -84,7 +84,7 @@ def test_a_step_that_wins_keeps_every_binding_and_is_recorded_in_the_receipt(tmp
     plan = attach(host.model, inputs, attention_forms=["grouped_batch"])
     step = plan.step
     assert step.outcome is StepOutcome.FASTER and not step.dropped, str(plan)
-    assert step.speedup > 1 and step.spread[0] > 1 and step.rounds == 3 and step.host_ms > step.attached_ms
+    assert step.speedup > 1 and step.spread[0] > 1 and step.rounds == 9 and step.host_ms > step.attached_ms
     assert {s.outcome for s in plan.sites} == {"bound"} and sum(plan.routed.values()) == 0
     assert plan.timings.step_s > 0 and "step check" in plan.timings.describe()
     detach(plan)
@@ -120,7 +120,8 @@ def test_nothing_bound_means_nothing_to_check():
 
 def test_a_long_example_call_is_timed_in_four_calls_a_side_its_sizing_call_the_first_round():
     """A call that makes a round alone and outlasts the settle (a video model's step): the warm-up call and the three
-    rounds, the sizing call the first of them, the figures the calls' own; a short call repeats to fill each round."""
+    rounds, the sizing call the first of them, the figures the calls' own; as many rounds as fit the side's seconds
+    (up to 9), the attached side as many as the host; a short call repeats to fill each round."""
     from flash_catalog.decide.agreement import Agreement
     from flash_catalog.decide.gate import SETTLE_S
     from flash_catalog.decide.step import MIN_ROUND_S, StepCheck
@@ -134,15 +135,23 @@ def test_a_long_example_call_is_timed_in_four_calls_a_side_its_sizing_call_the_f
         calls.append(time.perf_counter())
         time.sleep(long_s)
 
-    check = StepCheck(long_call, torch.device("cpu"), Agreement())
+    check = StepCheck(long_call, torch.device("cpu"), Agreement(), rounds_s=long_s)  # a round fills the budget
     check.time_host()
     assert len(calls) == 4 and len(check.host_s) == 3
     assert all(long_s <= s < 1.0 for s in check.host_s)
 
     calls.clear()
+    check = StepCheck(long_call, torch.device("cpu"), Agreement(), rounds_s=5.5 * long_s)  # five rounds fit
+    check.time_host()
+    assert len(calls) == 6 and len(check.host_s) == 5
+    calls.clear()
+    check._time()  # the attached side: the host's count
+    assert len(calls) == 6
+
+    calls.clear()
     check = StepCheck(lambda: calls.append(time.perf_counter()), torch.device("cpu"), Agreement())
     check.time_host()
-    assert len(calls) > 2 + 3 and len(check.host_s) == 3
+    assert len(calls) > 2 + 9 and len(check.host_s) == 9  # short: the most rounds
 
 
 def _compiled_sd3(layers: int, backend: Any = "aot_eager"):

@@ -6,10 +6,11 @@ against the host's, and bindings are dropped, smallest measured gain first, unti
 or none is left ("no net win at the step").
 
 The host is timed before anything is installed: once a feed-forward form binds, the host's weights of that site
-leave the device, so the host cannot run again beside the attached model. Both sides take the same fixed number of
-calls (every rank of a context-parallel run calls the model in step), after untimed ones, and the rounds pair in
-order. Both run in the stance the user is in when attach begins (a compiled form compiled); under
-`torch.compile` the step itself is still timed as the user's stance runs it, not as one compiled region.
+leave the device, so the host cannot run again beside the attached model. Both sides take the same number of
+rounds (3 for a step of seconds, up to 9 for a short one; every rank of a context-parallel run calls the model in
+step), after untimed calls, and the rounds pair in order. Both run in the stance the user is in when attach begins
+(a compiled form compiled); under `torch.compile` the step itself is still timed as the user's stance runs it, not as
+one compiled region.
 """
 
 from __future__ import annotations
@@ -24,9 +25,13 @@ import torch
 from .agreement import Agreement
 from .gate import SETTLE_S, SpeedVerdict, Timing, repeats, settle_calls, summarize
 
-STEP_ROUNDS = 3
-"""Timed example calls per side (after one untimed call each). Below 6 rounds the interval is the ratios' range, so
-the attached call is "surely faster" when every round says so."""
+STEP_ROUNDS = (3, 9)
+"""Fewest and most timed rounds per side. Below 6 rounds the interval is the ratios' range, so the attached call is
+"surely faster" only when every round says so and one disturbed round leaves it undecided; from 6 on it is the
+signed-rank interval, which one wild round moves by a rank."""
+ROUNDS_S = 1.0
+"""Seconds of timed rounds a side may take: a short step (an image model's ~50-150 ms) gets more rounds, a video
+model's step of seconds the fewest."""
 
 
 WARMUP = 2
@@ -96,7 +101,7 @@ class StepCheck:
     run: Callable[[], Any]
     device: torch.device
     agreement: Agreement
-    rounds: int = STEP_ROUNDS
+    rounds_s: float = ROUNDS_S
     host_s: list[float] = field(default_factory=list)
 
     def time_host(self) -> None:
@@ -147,11 +152,18 @@ class StepCheck:
             once = self.agreement.slowest(first)
             settle_s = SETTLE_S.get(self.device_type(), 0.0)
             reps = repeats(MIN_ROUND_S, once)
+            rounds = len(self.host_s) or self.rounds_for(reps * once)
             if reps == 1 and once >= settle_s:
-                return [first] + [self._seconds(1) for _ in range(self.rounds - 1)]
+                return [first] + [self._seconds(1) for _ in range(rounds - 1)]
             for _ in range(settle_calls(settle_s, once)):
                 self.run()
-            return [self._seconds(reps) for _ in range(self.rounds)]
+            return [self._seconds(reps) for _ in range(rounds)]
+
+    def rounds_for(self, round_s: float) -> int:
+        """Rounds a side takes (the host's count is the attached side's): as many rounds of `round_s` as fit
+        `rounds_s`, within `STEP_ROUNDS`."""
+        fewest, most = STEP_ROUNDS
+        return min(most, max(fewest, int(self.rounds_s / max(round_s, 1e-9))))
 
     def _seconds(self, reps: int) -> float:
         self._sync()
