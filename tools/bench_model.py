@@ -49,8 +49,8 @@ call returns ("enqueue ms": Python's share; near the step's ms the host sets the
 temperature and throttle reasons after them (`gpu_after`, from nvidia-smi), Python's garbage collections during
 them by generation (`gc_collections`: a full one can stall the host for tens of ms), its output's cosine against the
 host eager output, and with `--trace` one more call under torch.profiler (`trace`: the GPU's busy and idle ms
-within the step, its top kernels; tools/step_trace.py). Rows that would not finish within `--budget-s` (estimated from the host's
-step time) are skipped. The JSON is rewritten after every row; the tables come last, with the never-slower checks
+within the step, its top kernels; tools/step_trace.py). Rows that would not finish within `--budget-s` (estimated
+from the host's step time) are skipped. The JSON is rewritten after every row; the tables come last, with the never-slower checks
 (`checks` in the JSON): each profile's attached eager row against the host eager, its attached compiled row against
 the host compiled (and its ratio to the peer where that ran), "ok" at 1.0x or more, else "SLOWER than the host"; an
 eager row of a plan gated compiled is "not held" (that plan is the compiling user's); a check says which of its rows
