@@ -30,31 +30,29 @@ generator on the device, at noise level 0.5: timestep 500 on the 1000 scale, as 
   is padded), timestep 0.5 (t / 1000). Its true CFG (true_cfg_scale 4) runs two such forwards per step.
 
 Rows, side by side in one process: `host_eager`; `host_compiled` (diffusers' `compile_repeated_blocks(fullgraph=True)`;
-its first call is the compile, reported as seconds; SD3Transformer2DModel has no `_repeated_blocks` in diffusers
-0.42.1, so its `_no_split_modules`, JointTransformerBlock, are given as them); then for each profile: `attach` on the
-(compiled) model, timed (with `host_compiled` among the rows the model is compiled before attach, so its
-feed-forward sites are gated compiled, and `attached_eager` then runs that plan eager: leave `host_compiled` out or
-pass `--gate-compiled off` for a plan gated eager), with its peak extra and resident device memory;
-`attached_eager` (under `torch.compiler.set_stance("force_eager")`); `attached_compiled` (first call = the
-recompile); `detach`, then the exactness checks: eager and compiled outputs bit-equal to the host's, and the state
-dict equal to a fingerprint taken before any attach (per tensor: dtype, shape, device, and the float64 sum and 16
-strided elements; nothing is copied whole); last, `peer_compiled`: the model built again from the seed (its
-fingerprint checked against the host's), torchao's
-`quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))` on every bf16 `nn.Linear`, and
-the same regional compile; on CUDA with torchao only (a benchmark-only extra: `pip install 'flash_catalog[bench]'`),
-else skipped with the reason. It runs last because torchao sets its recommended inductor
-options for the whole process. Each row: median ms over `--steps` timed calls (each synchronised), the same
-number of calls queued back to back ("piped ms": a sampling loop's rate), the median time until an unsynchronised
-call returns ("enqueue ms": Python's share; near the step's ms the host sets the pace), the GPU's clock, power,
-temperature and throttle reasons after them (`gpu_after`, from nvidia-smi), Python's garbage collections during
-them by generation (`gc_collections`: a full one can stall the host for tens of ms), its output's cosine against the
-host eager output, and with `--trace` one more call under torch.profiler (`trace`: the GPU's busy and idle ms
-within the step, its top kernels; tools/step_trace.py). Rows that would not finish within `--budget-s` (estimated
-from the host's step time) are skipped. The JSON is rewritten after every row; the tables come last, with the never-slower checks
-(`checks` in the JSON): each profile's attached eager row against the host eager, its attached compiled row against
-the host compiled (and its ratio to the peer where that ran), "ok" at 1.0x or more, else "SLOWER than the host"; an
-eager row of a plan gated compiled is "not held" (that plan is the compiling user's); a check says which of its rows
-are noisy (their steps spread by more than 10% of the median).
+its first call is the compile, reported as seconds; SD3Transformer2DModel has no `_repeated_blocks` in diffusers 0.42.1,
+so its `_no_split_modules`, JointTransformerBlock, are given as them); then for each profile: `attach` on the (compiled)
+model, timed (with `host_compiled` among the rows the model is compiled before attach, so its feed-forward sites are
+gated compiled, and `attached_eager` then runs that plan eager: leave `host_compiled` out or pass `--gate-compiled off`
+for a plan gated eager), with its peak extra and resident device memory; `attached_eager` (under
+`torch.compiler.set_stance("force_eager")`); `attached_compiled` (first call = the recompile); `detach`, then the
+exactness checks: eager and compiled outputs bit-equal to the host's, and the state dict equal to a fingerprint taken
+before any attach (per tensor: dtype, shape, device, and the float64 sum and 16 strided elements; nothing is copied
+whole); last, `peer_compiled`: the model built again from the seed (its fingerprint checked against the host's),
+torchao's `quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))` on every bf16 `nn.Linear`,
+and the same regional compile; on CUDA with torchao only (a benchmark-only extra: `pip install 'flash_catalog[bench]'`),
+else skipped with the reason. It runs last because torchao sets its recommended inductor options for the whole process.
+Each row: median ms over `--steps` timed calls (each synchronised), the same number of calls queued back to back ("piped
+ms": a sampling loop's rate), the median time until an unsynchronised call returns ("enqueue ms": Python's share; near
+the step's ms the host sets the pace), the GPU's clock, power, temperature and throttle reasons after them (`gpu_after`,
+from nvidia-smi), Python's garbage collections during them by generation (`gc_collections`: a full one can stall the
+host for tens of ms), its output's cosine against the host eager output, and with `--trace` one more call under
+torch.profiler (`trace`: the GPU's busy and idle ms within the step, its top kernels; tools/step_trace.py). Rows that
+would not finish within `--budget-s` (estimated from the host's step time) are skipped. The JSON is rewritten after
+every row; the tables come last, with the never-slower checks (`checks` in the JSON): each profile's attached eager row
+against the host eager, its attached compiled row against the host compiled (and its ratio to the peer where that ran),
+"ok" at 1.0x or more, else "SLOWER than the host"; an eager row of a plan gated compiled is "not held" (that plan is the
+compiling user's); a check says which of its rows are noisy (their steps spread by more than 10% of the median).
 
     python tools/bench_model.py --model wan480 [--profiles default,int8_balance_sage,fp8_balance_proj]
         [--rows host_eager,host_compiled,attached_eager,attached_compiled,peer_compiled] [--steps 3] [--warmup 1]
