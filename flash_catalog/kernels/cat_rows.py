@@ -15,7 +15,8 @@ import triton
 import triton.language as tl
 
 from .activation import ACT_CODE, ROUND_CODE, apply_activation
-from .int8_gemm import MAX_FUSED_ROW, _row_blocks, _row_part, _store_codes, quantize_rows_int8_torch, triton_serves
+from .int8_gemm import (MAX_FUSED_ROW, _held_part, _row_blocks, _row_scales, _store_part, quantize_rows_int8_torch,
+                        triton_serves)
 from .interpreter import interpreted
 from .rows import check_rows
 
@@ -31,27 +32,12 @@ def _quant_cat_rows_kernel(A, B, Q, S, M, KA, KB, stride_am, stride_bm,
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     rows64 = rows.to(tl.int64)
-    k = KA + KB
-    a = _row_part(A, A, rows64, row_ok, stride_am, KA, 0, False, 0, ROUND, INTERPRET, BLOCK_A)
-    amax = tl.max(tl.abs(a), 1)
-    if TAIL_A > 0:
-        a_tail = _row_part(A, A, rows64, row_ok, stride_am, KA, BLOCK_A, False, 0, ROUND, INTERPRET, TAIL_A)
-        amax = tl.maximum(amax, tl.max(tl.abs(a_tail), 1))
-    b = _row_part(B, B, rows64, row_ok, stride_bm, KB, 0, False, ACT, ROUND, INTERPRET, BLOCK_B)
-    amax = tl.maximum(amax, tl.max(tl.abs(b), 1))
-    if TAIL_B > 0:
-        b_tail = _row_part(B, B, rows64, row_ok, stride_bm, KB, BLOCK_B, False, ACT, ROUND, INTERPRET, TAIL_B)
-        amax = tl.maximum(amax, tl.max(tl.abs(b_tail), 1))
-    amax = tl.maximum(amax, 1e-30)
-    int8_max = tl.full([BLOCK_M], 127.0, tl.float32)
-    inv = tl.math.div_rn(int8_max, amax)
-    _store_codes(Q, rows64, row_ok, k, a, inv, 0, KA, 0, BLOCK_A)
-    if TAIL_A > 0:
-        _store_codes(Q, rows64, row_ok, k, a_tail, inv, 0, KA, BLOCK_A, TAIL_A)
-    _store_codes(Q, rows64, row_ok, k, b, inv, KA, KB, 0, BLOCK_B)
-    if TAIL_B > 0:
-        _store_codes(Q, rows64, row_ok, k, b_tail, inv, KA, KB, BLOCK_B, TAIL_B)
-    tl.store(S + rows, tl.math.div_rn(amax, int8_max), mask=row_ok)
+    a, a_tail, a_max = _held_part(A, A, rows64, row_ok, stride_am, KA, False, 0, ROUND, INTERPRET, BLOCK_A, TAIL_A)
+    b, b_tail, b_max = _held_part(B, B, rows64, row_ok, stride_bm, KB, False, ACT, ROUND, INTERPRET, BLOCK_B, TAIL_B)
+    inv, scale = _row_scales(tl.maximum(a_max, b_max), BLOCK_M)
+    _store_part(Q, rows64, row_ok, KA + KB, a, a_tail, inv, 0, KA, BLOCK_A, TAIL_A)
+    _store_part(Q, rows64, row_ok, KA + KB, b, b_tail, inv, KA, KB, BLOCK_B, TAIL_B)
+    tl.store(S + rows, scale, mask=row_ok)
 
 
 def _check_parts(a: torch.Tensor, b: torch.Tensor, activation: str | None) -> None:

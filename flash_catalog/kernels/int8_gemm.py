@@ -125,6 +125,36 @@ def _store_codes(Q, rows64, row_ok, K, x, inv, offset, limit, first: tl.constexp
 
 
 @triton.jit
+def _held_part(X, SMOOTH, rows64, row_ok, stride_xm, K, HAS_SMOOTH: tl.constexpr, ACT: tl.constexpr,
+               ROUND: tl.constexpr, INTERPRET: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr):
+    """A row part of K columns held as BLOCK columns and, where TAIL > 0, the TAIL after them (`_row_blocks`):
+    (block, tail, each row's max|x| over both); tail is the block again, unused, where TAIL is 0."""
+    x = _row_part(X, SMOOTH, rows64, row_ok, stride_xm, K, 0, HAS_SMOOTH, ACT, ROUND, INTERPRET, BLOCK)
+    amax = tl.max(tl.abs(x), 1)
+    tail = x
+    if TAIL > 0:
+        tail = _row_part(X, SMOOTH, rows64, row_ok, stride_xm, K, BLOCK, HAS_SMOOTH, ACT, ROUND, INTERPRET, TAIL)
+        amax = tl.maximum(amax, tl.max(tl.abs(tail), 1))
+    return x, tail, amax
+
+
+@triton.jit
+def _store_part(Q, rows64, row_ok, K, x, tail, inv, offset, limit, BLOCK: tl.constexpr, TAIL: tl.constexpr):
+    """`_store_codes` of a part `_held_part` read, at columns offset..offset+limit of rows of K codes."""
+    _store_codes(Q, rows64, row_ok, K, x, inv, offset, limit, 0, BLOCK)
+    if TAIL > 0:
+        _store_codes(Q, rows64, row_ok, K, tail, inv, offset, limit, BLOCK, TAIL)
+
+
+@triton.jit
+def _row_scales(amax, BLOCK_M: tl.constexpr):
+    """(127 / amax, amax / 127) per row, amax floored at 1e-30: an all-zero row codes to zeros at a finite scale."""
+    amax = tl.maximum(amax, 1e-30)
+    int8_max = tl.full([BLOCK_M], 127.0, tl.float32)
+    return tl.math.div_rn(int8_max, amax), tl.math.div_rn(amax, int8_max)
+
+
+@triton.jit
 def _quant_rows_kernel(X, SMOOTH, Q, S, M, K, stride_xm,
                        HAS_SMOOTH: tl.constexpr, ACT: tl.constexpr, ROUND: tl.constexpr, INTERPRET: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TAIL_K: tl.constexpr):
@@ -134,19 +164,11 @@ def _quant_rows_kernel(X, SMOOTH, Q, S, M, K, stride_xm,
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     rows64 = rows.to(tl.int64)
-    x = _row_part(X, SMOOTH, rows64, row_ok, stride_xm, K, 0, HAS_SMOOTH, ACT, ROUND, INTERPRET, BLOCK_K)
-    amax = tl.max(tl.abs(x), 1)
-    if TAIL_K > 0:
-        tail = _row_part(X, SMOOTH, rows64, row_ok, stride_xm, K, BLOCK_K, HAS_SMOOTH, ACT, ROUND, INTERPRET,
-                         TAIL_K)
-        amax = tl.maximum(amax, tl.max(tl.abs(tail), 1))
-    amax = tl.maximum(amax, 1e-30)
-    int8_max = tl.full([BLOCK_M], 127.0, tl.float32)
-    inv = tl.math.div_rn(int8_max, amax)
-    _store_codes(Q, rows64, row_ok, K, x, inv, 0, K, 0, BLOCK_K)
-    if TAIL_K > 0:
-        _store_codes(Q, rows64, row_ok, K, tail, inv, 0, K, BLOCK_K, TAIL_K)
-    tl.store(S + rows, tl.math.div_rn(amax, int8_max), mask=row_ok)
+    x, tail, amax = _held_part(X, SMOOTH, rows64, row_ok, stride_xm, K, HAS_SMOOTH, ACT, ROUND, INTERPRET, BLOCK_K,
+                               TAIL_K)
+    inv, scale = _row_scales(amax, BLOCK_M)
+    _store_part(Q, rows64, row_ok, K, x, tail, inv, 0, K, BLOCK_K, TAIL_K)
+    tl.store(S + rows, scale, mask=row_ok)
 
 
 @triton.jit
