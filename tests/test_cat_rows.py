@@ -51,6 +51,25 @@ def test_the_kernel_gives_the_torch_quantisers_bits_of_the_concatenation(ka, kb,
     assert codes[4].abs().max() == 0 and codes.abs().max() == 127
 
 
+@pytest.mark.interpreter
+def test_a_repeated_call_reuses_its_kept_launch_and_clearing_forgets_it():
+    """The op's calls at one layout (a compiled graph's, step after step) share one kept launch, with new values."""
+    from flash_catalog.kernels.cat_rows import CAT_LAUNCHES, clear_launch_cache
+
+    clear_launch_cache()
+    g = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        a, b = torch.randn(9, 16, generator=g).bfloat16(), torch.randn(9, 48, generator=g).bfloat16()
+        codes, scale = quantize_cat_rows_int8(a, b, "gelu_tanh")
+        ref_codes, ref_scale = quantize_cat_rows_int8_torch(a, b, "gelu_tanh")
+        assert torch.equal(codes, ref_codes) and torch.equal(scale, ref_scale)
+    assert len(CAT_LAUNCHES) == 1
+    quantize_cat_rows_int8(torch.randn(5, 16).bfloat16(), torch.randn(5, 48).bfloat16(), None)  # other rows
+    assert len(CAT_LAUNCHES) == 2
+    clear_launch_cache()
+    assert len(CAT_LAUNCHES) == 0
+
+
 def test_rows_the_kernel_cannot_hold_take_the_torch_path_and_bad_parts_are_named():
     a = torch.randn(3, 8, dtype=torch.bfloat16)
     wide = torch.randn(3, MAX_FUSED_ROW, dtype=torch.bfloat16)

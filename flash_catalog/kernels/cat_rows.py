@@ -19,8 +19,9 @@ from .int8_gemm import (MAX_FUSED_ROW, _held_part, _row_blocks, _row_scales, _st
                         triton_serves)
 from .interpreter import interpreted
 from .rows import check_rows
+from .triton_launch import LaunchCache
 
-__all__ = ["quantize_cat_rows_int8", "quantize_cat_rows_int8_torch", "cat_quantiser_serves"]
+__all__ = ["quantize_cat_rows_int8", "quantize_cat_rows_int8_torch", "cat_quantiser_serves", "clear_launch_cache"]
 
 
 @triton.jit
@@ -38,6 +39,16 @@ def _quant_cat_rows_kernel(A, B, Q, S, M, KA, KB, stride_am, stride_bm,
     _store_part(Q, rows64, row_ok, KA + KB, a, a_tail, inv, 0, KA, BLOCK_A, TAIL_A)
     _store_part(Q, rows64, row_ok, KA + KB, b, b_tail, inv, KA, KB, BLOCK_B, TAIL_B)
     tl.store(S + rows, scale, mask=row_ok)
+
+
+CAT_LAUNCHES = LaunchCache(_quant_cat_rows_kernel)
+"""The kernel's launches by grid, scalars, constexprs and operand specialisation: a compiled graph calls the op at
+the same rows every step, so after the first call it skips the JIT's argument binding (`triton_launch`)."""
+
+
+def clear_launch_cache() -> None:
+    """Forget the kept launches (`CAT_LAUNCHES`)."""
+    CAT_LAUNCHES.clear()
 
 
 def _check_parts(a: torch.Tensor, b: torch.Tensor, activation: str | None) -> None:
@@ -92,8 +103,8 @@ def quantize_cat_rows_int8(a: torch.Tensor, b: torch.Tensor,
     if m == 0:
         return codes, scale
     block_m, block_a, tail_a, block_b, tail_b, warps = _launch(ka, kb, activation)
-    _quant_cat_rows_kernel[(triton.cdiv(m, block_m),)](
-        a, b, codes, scale, m, ka, kb, a.stride(0), b.stride(0), ACT=ACT_CODE[activation],
-        ROUND=ROUND_CODE[a.dtype], INTERPRET=interpreted(_quant_cat_rows_kernel), BLOCK_M=block_m,
-        BLOCK_A=block_a, TAIL_A=tail_a, BLOCK_B=block_b, TAIL_B=tail_b, num_warps=warps)
+    CAT_LAUNCHES((triton.cdiv(m, block_m),), (a, b, codes, scale), (m, ka, kb, a.stride(0), b.stride(0)),
+                 (("ACT", ACT_CODE[activation]), ("ROUND", ROUND_CODE[a.dtype]),
+                  ("INTERPRET", interpreted(_quant_cat_rows_kernel)), ("BLOCK_M", block_m), ("BLOCK_A", block_a),
+                  ("TAIL_A", tail_a), ("BLOCK_B", block_b), ("TAIL_B", tail_b), ("num_warps", warps)))
     return codes, scale
