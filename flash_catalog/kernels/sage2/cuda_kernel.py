@@ -209,7 +209,7 @@ class KernelLaunch:
     def __call__(self, out: torch.Tensor, lse: torch.Tensor | None) -> None:
         """Launch on the current device, which must be the tensors' (`on_device`)."""
         self.launcher(*self.head, out.data_ptr(), lse.data_ptr() if lse is not None else None, *self.tail,
-                      torch.cuda.current_stream(self.device).cuda_stream)
+                      torch._C._cuda_getCurrentRawStream(self.device.index))  # not a Stream object per call
 
 
 def on_device(device: torch.device) -> contextlib.AbstractContextManager[object]:
