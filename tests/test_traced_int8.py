@@ -94,6 +94,25 @@ def test_quantiser_op_on_cpu_is_the_torch_path_and_its_fake_the_codes_and_scales
     torch.library.opcheck(quantiser_op, (x, "gelu_tanh"))  # schema, fake, and dispatch under aot_autograd
 
 
+@pytest.mark.interpreter
+def test_quantiser_op_keeps_one_launch_a_layout_and_new_values_get_their_own_codes():
+    """A compiled graph calls the op at one layout every step: checked once, launched again with each step's rows."""
+    from flash_catalog.kernels.int8_gemm import quantize_rows_int8_torch
+
+    linear_ops.clear_prepared()
+    g = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        x = (torch.randn(9, 40, generator=g) * 3).bfloat16()
+        codes, scale = quantiser_op(x, "gelu_tanh")
+        want_codes, want_scale = quantize_rows_int8_torch(x, None, "gelu_tanh")
+        assert torch.equal(codes, want_codes) and torch.equal(scale, want_scale)
+    assert len(linear_ops._QUANT_PREPARED) == 1
+    codes, _ = quantiser_op(torch.randn(0, 40).bfloat16(), "gelu_tanh")  # no rows: the checked call serves
+    assert codes.shape == (0, 40) and linear_ops._QUANT_PREPARED[next(reversed(linear_ops._QUANT_PREPARED))] is None
+    linear_ops.clear_prepared()
+    assert not linear_ops._QUANT_PREPARED
+
+
 def test_a_traced_feed_forward_activation_is_quantised_by_the_op_only_where_the_gemm_is_prepared(monkeypatch):
     """Where the policy makes the GEMM `int8_matmul_prepared` (forced here: on the CPU it never does), a fused
     activation's rows go through `quantize_rows_int8` (nothing precedes them to fuse into); rows without an

@@ -27,13 +27,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .activation import ACT_CODE
 from .fp8_rowwise import fp8_linear, fp8_matmul, quantize_rows_fp8_torch
 from .nvfp4 import NvFp4Tensor
 from .nvfp4 import nvfp4_linear as nvfp4_emulated
-from .rows import over_rows
+from .rows import check_rows, over_rows
 
 if TYPE_CHECKING:
     from .int8_gemm_choice import PreparedGemm
+    from .triton_launch import RepeatLaunch
 
 W8A8_SCHEMES = ("fp8", "int8")
 
@@ -183,8 +185,9 @@ def _int8_matmul_prepared(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tenso
 
 
 def clear_prepared() -> None:
-    """Forget the traced GEMMs' prepared launches (the choices stay in `COMPILED_CHOICES`)."""
+    """Forget the traced GEMMs' and row quantisers' prepared launches (the choices stay in `COMPILED_CHOICES`)."""
     _PREPARED.clear()
+    _QUANT_PREPARED.clear()
 
 
 for _key_name in ("CUDA", "CPU"):  # CPU: the checked torch path (no kernel to prepare)
@@ -200,12 +203,34 @@ def _(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Te
 _LIB.define("quantize_rows_int8(Tensor x, str? activation) -> (Tensor, Tensor)")
 
 
+_QUANT_PREPARED: dict[tuple, RepeatLaunch | None] = {}  # rows' layout -> its launch (None: the checked call serves)
+
+
 def _quantize_rows_int8(x: torch.Tensor, activation: str | None) -> tuple[torch.Tensor, torch.Tensor]:
     """`int8_gemm.quantize_rows_int8` (no smooth): the activation and the row's INT8 codes and scale in the
-    quantiser kernel's one pass, the row held in registers, where it serves; else its torch path, the same bits."""
-    from .int8_gemm import quantize_rows_int8
+    quantiser kernel's one pass, the row held in registers, where it serves; else its torch path, the same bits.
+    The checks and the launch's arguments once per rows' layout (a compiled graph calls it at one every step)."""
+    key = (x.dtype, x.shape, x.stride(), x.data_ptr() % 16, x.device, activation)
+    try:
+        launch = _QUANT_PREPARED[key]
+    except KeyError:
+        from .int8_gemm import quantiser_serves, repeat_quant
 
-    return quantize_rows_int8(x, None, activation)
+        check_rows("x", x)
+        if activation not in ACT_CODE:
+            raise ValueError(f"activation is {activation!r}; allowed: None, 'gelu', 'gelu_tanh', 'silu'") from None
+        launch = repeat_quant(x, activation) if quantiser_serves(x) and x.shape[0] > 0 else None
+        if len(_QUANT_PREPARED) >= 256:
+            _QUANT_PREPARED.clear()
+        _QUANT_PREPARED[key] = launch
+    if launch is None:
+        from .int8_gemm import quantize_rows_int8
+
+        return quantize_rows_int8(x, None, activation)
+    codes = torch.empty(x.shape, dtype=torch.int8, device=x.device)
+    scale = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
+    launch(x, x, codes, scale)
+    return codes, scale
 
 
 for _key_name in ("CUDA", "CPU"):
