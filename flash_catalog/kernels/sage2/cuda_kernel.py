@@ -294,9 +294,9 @@ class CudaAttention:
             return empty_result(q, self.return_lse, out)
         lse = torch.empty(self.out_shape[:-1], dtype=torch.float32, device=q.device) if self.return_lse else None
         with on_device(q.device):
-            staged = self.staging.run(q, k, v)
+            self.staging.launch(q, k, v)
             self.launch(out, lse)
-        return out if lse is None else (out, add_key_mean(lse, q, staged, self.sm_scale))
+        return out if lse is None else (out, add_key_mean(lse, q, self.staging.staged(v), self.sm_scale))
 
 
 def prepare_cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,

@@ -437,6 +437,12 @@ class StagingPlan:
     v_fp16: bool
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Sage2Staged:
+        """Stage q, k, v into the plan's buffers (`launch`) and describe them (`staged`)."""
+        self.launch(q, k, v)
+        return self.staged(v)
+
+    def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The three launches alone, for a caller that already holds the staging's description."""
         # Three launches. 1) K's and V's chunk statistics (partial sums of K, partial max|V| per channel) and, in
         #    the same launch, Q: per-tile INT8 with the softmax scale * log2(e) folded into the scale.
         buf, with_v = self.buffers, self.pv == "fp8"
@@ -451,7 +457,6 @@ class StagingPlan:
         #    copy (fp16 mode otherwise reads V as it is: the Triton kernel).
         self.quant_kv(k, k_mean, k8, buf["k_scale"], v, buf["v16"] if self.v_fp16 else k8, v_inv,
                       buf["vt8"] if with_v else k8)
-        return self.staged(v)
 
     def staged(self, v: torch.Tensor) -> Sage2Staged:
         """The plan's buffers as the staging a run leaves in them (V passed through where nothing stages it)."""
