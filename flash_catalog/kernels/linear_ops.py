@@ -27,11 +27,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .activation import ACT_CODE
 from .fp8_rowwise import fp8_linear, fp8_matmul, quantize_rows_fp8_torch
 from .nvfp4 import NvFp4Tensor
 from .nvfp4 import nvfp4_linear as nvfp4_emulated
-from .rows import check_rows, over_rows
+from .rows import over_rows
 
 if TYPE_CHECKING:
     from .int8_gemm_choice import PreparedGemm
@@ -174,14 +173,19 @@ def _int8_matmul_prepared(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tenso
         served = triton_serves(a.device) and min(m, n, k) > 0 and a.stride() == (k, 1) and a_scale.is_contiguous() \
             and tma_blocker(a=a) is None
         prepared = prepare_gemm(m, w, w_scale, bias, out_dtype, COMPILED_CHOICES) if served else None
-        if len(_PREPARED) >= 256:
-            _PREPARED.clear()
-        _PREPARED[key] = prepared
+        _remember(_PREPARED, key, prepared)
     if prepared is None:
         from .int8_gemm import int8_matmul as checked
 
         return checked(a, a_scale, w, w_scale, bias, out_dtype)
     return prepared(a, a_scale, w, w_scale, bias)
+
+
+def _remember(store: dict, key: tuple, value: object, limit: int = 256) -> None:
+    """Keep `value` under `key`, starting `store` afresh once it holds `limit` layouts."""
+    if len(store) >= limit:
+        store.clear()
+    store[key] = value
 
 
 def clear_prepared() -> None:
@@ -211,22 +215,15 @@ def _quantize_rows_int8(x: torch.Tensor, activation: str | None) -> tuple[torch.
     quantiser kernel's one pass, the row held in registers, where it serves; else its torch path, the same bits.
     The checks and the launch's arguments once per rows' layout (a compiled graph calls it at one every step)."""
     key = (x.dtype, x.shape, x.stride(), x.data_ptr() % 16, x.device, activation)
-    try:
-        launch = _QUANT_PREPARED[key]
-    except KeyError:
-        from .int8_gemm import quantiser_serves, repeat_quant
-
-        check_rows("x", x)
-        if activation not in ACT_CODE:
-            raise ValueError(f"activation is {activation!r}; allowed: None, 'gelu', 'gelu_tanh', 'silu'") from None
-        launch = repeat_quant(x, activation) if quantiser_serves(x) and x.shape[0] > 0 else None
-        if len(_QUANT_PREPARED) >= 256:
-            _QUANT_PREPARED.clear()
-        _QUANT_PREPARED[key] = launch
+    launch = _QUANT_PREPARED.get(key)
     if launch is None:
-        from .int8_gemm import quantize_rows_int8
+        from .int8_gemm import quantize_rows_int8, quantiser_serves, repeat_quant
 
-        return quantize_rows_int8(x, None, activation)
+        result = quantize_rows_int8(x, None, activation)  # its checks raise before anything is kept
+        if key not in _QUANT_PREPARED:
+            _remember(_QUANT_PREPARED, key,
+                      repeat_quant(x, activation) if quantiser_serves(x) and x.shape[0] > 0 else None)
+        return result
     codes = torch.empty(x.shape, dtype=torch.int8, device=x.device)
     scale = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
     launch(x, x, codes, scale)

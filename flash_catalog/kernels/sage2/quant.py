@@ -442,7 +442,7 @@ class StagingPlan:
         return self.staged(v)
 
     def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """The three launches alone, for a caller that already holds the staging's description."""
+        """The three launches alone, for a caller that needs no description of the staging (`run` gives one)."""
         # Three launches. 1) K's and V's chunk statistics (partial sums of K, partial max|V| per channel) and, in
         #    the same launch, Q: per-tile INT8 with the softmax scale * log2(e) folded into the scale.
         buf, with_v = self.buffers, self.pv == "fp8"
