@@ -217,7 +217,7 @@ def test_gpu_compiled_linear_with_many_rows_runs_the_prepared_op(monkeypatch):
 
 
 def test_launch_hooks_are_read_as_triton_keeps_them():
-    from flash_catalog.kernels.tma_launch import _hook_set
+    from flash_catalog.kernels.c_launch import _hook_set
     from triton.knobs import HookChain
 
     chain = HookChain()
@@ -229,7 +229,7 @@ def test_launch_hooks_are_read_as_triton_keeps_them():
 def test_the_c_launch_is_found_only_where_triton_s_wrapper_holds_exactly_one():
     from types import SimpleNamespace
 
-    from flash_catalog.kernels.tma_launch import _raw_launch
+    from flash_catalog.kernels.c_launch import _raw_launch
 
     def launch(*args):
         return args
@@ -242,7 +242,46 @@ def test_the_c_launch_is_found_only_where_triton_s_wrapper_holds_exactly_one():
     def plain(*args):
         return args
 
-    assert _raw_launch(wrapping(launch)) is launch
-    assert _raw_launch(wrapping(plain)) is None  # the held function is not the C launch
-    assert _raw_launch(SimpleNamespace(launch=launch)) is None  # no wrapper: not the launcher this Triton builds
-    assert _raw_launch(object()) is None
+    assert _raw_launch(wrapping(launch), True) is launch
+    assert _raw_launch(wrapping(plain), True) is None  # the held function is not the C launch
+    assert _raw_launch(SimpleNamespace(launch=launch), True) is None  # no wrapper: not the launcher Triton builds
+    assert _raw_launch(object(), True) is None
+    # a kernel without descriptors: Triton leaves the C launch unwrapped; a Python function there is not it
+    assert _raw_launch(SimpleNamespace(launch=launch), False) is None
+    assert _raw_launch(wrapping(launch), False) is None
+    assert _raw_launch(object(), False) is None
+
+
+@pytest.mark.gpu
+def test_repeated_launches_go_through_the_c_launcher_and_honour_launch_hooks():
+    """A `RepeatLaunch` of a kernel without descriptors: its first call through the JIT, later ones straight into
+    the C launcher, each on its own tensors; with a Triton launch hook set, through Triton's path, which calls it."""
+    import triton
+    import triton.language as tl
+    from triton import knobs
+
+    from flash_catalog.kernels.triton_launch import RepeatLaunch
+
+    @triton.jit
+    def add_scaled(X, Y, n, alpha, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < n
+        tl.store(Y + offs, tl.load(X + offs, mask=ok) * alpha + 1.0, mask=ok)
+
+    n = 5000
+    launch = RepeatLaunch(add_scaled, (triton.cdiv(n, 1024),), (n, 2.0), {"BLOCK": 1024})
+    for seed in range(3):
+        x = torch.randn(n, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+        y = torch.empty_like(x)
+        launch(x, y)
+        assert torch.equal(y, x * 2.0 + 1.0)
+    assert launch._bare is not None and not launch._bare.descriptor_meta
+    seen = []
+    knobs.runtime.launch_enter_hook.add(seen.append)
+    try:
+        x = torch.randn(n, device="cuda")
+        y = torch.empty_like(x)
+        launch(x, y)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(seen.append)
+    assert torch.equal(y, x * 2.0 + 1.0) and len(seen) == 1

@@ -11,7 +11,7 @@ the Triton kernel runs and nothing is timed; under CUDA graph capture nothing is
 
 Traced linears of many rows (`linear_ops.int8_matmul_prepared`) choose from `COMPILED_CHOICES`, by `Clock.GPU`: the
 calls queued behind a spin, as a busy compiled graph hides a launch's host time. The Gluon kernel's prepared launch
-goes through its C launcher after the first call (`tma_launch.TmaLauncher`), a few microseconds of host time where
+goes through its C launcher after the first call (`c_launch.CLauncher`), a few microseconds of host time where
 Triton's own descriptor path costs tens (BENCHMARKS.md, "The Gluon INT8 GEMM inside compiled graphs").
 """
 
@@ -26,7 +26,7 @@ import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import int8_gemm as gemm
-from .tma_launch import TmaLauncher
+from .c_launch import CLauncher
 from .triton_launch import RepeatLaunch
 
 try:
@@ -40,7 +40,7 @@ __all__ = ["Clock", "COMPILED_CHOICES", "GemmChoice", "GemmChoices", "GEMM_CHOIC
 @dataclass(eq=False)
 class PreparedGemm:
     """Fresh row-major codes (m, K) times a weight (N, K) -> a new (m, N) `out_dtype` on one kernel, its launch fixed
-    (`RepeatLaunch`; the Gluon kernel's, after its first call, through its C launcher: `TmaLauncher`). It holds no
+    (`RepeatLaunch`; the Gluon kernel's, after its first call, through its C launcher: `CLauncher`). It holds no
     tensor: the operands come with each call."""
     m: int
     n: int
@@ -49,7 +49,7 @@ class PreparedGemm:
     launch: RepeatLaunch
     tiles: Any = None  # int8_gemm_gluon.GluonTiles: the Gluon kernel; None: the Triton kernel
     boxes: tuple[list[int], list[int]] | None = None  # the Triton kernel's TMA boxes (codes, weight); None: pointers
-    _tma: TmaLauncher | None = field(default=None, init=False, repr=False)  # the Gluon kernel's bare launcher
+    _tma: CLauncher | None = field(default=None, init=False, repr=False)  # the Gluon kernel's bare launcher
     _tma_tried: bool = field(default=False, init=False, repr=False)
 
     def __call__(self, codes: torch.Tensor, scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
@@ -66,7 +66,7 @@ class PreparedGemm:
             self.launch(*gluon_gemm.descriptors(codes, w, out, self.tiles), scale, w_scale, last)
             if not self._tma_tried and self.launch.compiled is not None:
                 self._tma_tried = True
-                self._tma = TmaLauncher.from_compiled(self.launch.compiled, self.launch.grid, codes.device.index)
+                self._tma = CLauncher.from_compiled(self.launch.compiled, self.launch.grid, codes.device.index)
         elif self.boxes is None:
             self.launch(codes, scale, w, w_scale, last, out)
         else:

@@ -3,8 +3,10 @@ then straight through the compiled kernel's own launcher.
 
 The JIT's launch binds and specialises every argument on every call (tens of microseconds of host time on the GPU
 box's CPU, for a kernel of a few). Where the scalars, the grid and the tensors' dtypes and 16-byte alignment are
-those of the first call, the JIT would pick the same compiled kernel again, so later calls skip it. The caller
-owns that promise: a `RepeatLaunch` belongs to a plan whose key fixes all of them (`StagingPool.prepared`).
+those of the first call, the JIT would pick the same compiled kernel again, so later calls skip it: they call the C
+launcher itself (`c_launch.CLauncher`, where this Triton's launcher is the one it knows, the kernel takes no tensor
+descriptor and no launch hook is set), else the compiled kernel's runner. The caller owns that promise: a
+`RepeatLaunch` belongs to a plan whose key fixes all of them (`StagingPool.prepared`).
 Under Triton's interpreter, and before Triton 3.3 (whose compiled launchers take the constexpr arguments too, where
 earlier ones take only the others), every call goes through the JIT. A `LaunchCache` keeps one kernel's
 `RepeatLaunch`es by everything its JIT specialises on, for a launch site whose calls vary (an eager linear's rows).
@@ -18,6 +20,7 @@ from typing import Any, Callable, Hashable
 
 import torch
 
+from .c_launch import CLauncher
 from .interpreter import interpreted
 
 
@@ -43,9 +46,14 @@ class RepeatLaunch:
     is set)."""
     _device_index: int = field(default=0, init=False, repr=False)
     compiled: Any = field(default=None, init=False, repr=False)  # the JIT's CompiledKernel, once the direct path runs
+    _bare: CLauncher | None = field(default=None, init=False, repr=False)  # its C launcher, where it serves
 
     def __call__(self, *tensors: Any) -> None:
         """Launch on `tensors` (tensors, or host-side tensor descriptors, or None where the kernel takes it)."""
+        bare = self._bare
+        if bare is not None and not bare.hooked():
+            bare(*tensors, *self.tail)
+            return
         if self._direct is not None:
             self._direct(*tensors, *self.tail, stream=torch._C._cuda_getCurrentRawStream(self._device_index))
             return
@@ -65,6 +73,8 @@ class RepeatLaunch:
             else torch.cuda.current_device()
         self.compiled = compiled
         self._direct = compiled[(*self.grid, 1, 1)[:3]]  # the compiled kernel's runner indexes three grid axes
+        bare = CLauncher.from_compiled(compiled, self.grid, self._device_index)
+        self._bare = bare if bare is not None and not bare.descriptor_meta else None  # descriptors: the runner's path
 
 
 def _tensor_of(arg: Any) -> torch.Tensor | None:

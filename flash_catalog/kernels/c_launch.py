@@ -1,13 +1,13 @@
-"""A compiled kernel that takes host-side TMA descriptors, launched through its C launcher with the descriptors
-encoded here and kept by address.
+"""A compiled Triton kernel launched through its C launcher, below Triton's Python layers.
 
-Triton launches such a kernel through Python layers: a `TensorDescriptor` built and validated per operand, its
-launcher's wrapper that encodes each one (`fill_tma_descriptor`) and flattens the arguments, the stream lookup, the
-scratch allocations and the launch hooks: tens of µs of host time per launch on the GPU box's CPU, where a compiled
-graph may launch one every few tens of µs of GPU time. `TmaLauncher` calls the C launcher itself. A descriptor
-depends only on the tensor's address, shape, strides and the box, so the encoded ones are kept by those (a weight's
-is encoded once; an activation buffer that a compiled graph reuses, once per address), which is correct for whatever
-tensor later sits at that address with that shape.
+Triton launches a compiled kernel through Python: the `CompiledKernel` runner (the stream lookup, a launch-metadata
+record built at every launch, since Triton 3.6 always keeps a hook chain), then its `CudaLauncher` (the scratch
+allocations), and, for a kernel that takes host-side TMA descriptors, a wrapper that encodes each descriptor
+(`fill_tma_descriptor`) and flattens the arguments: tens of µs of host time per launch on the GPU box's CPU, where a
+compiled graph may launch one every few tens of µs of GPU time. `CLauncher` calls the C launcher itself, with the
+arguments the runner would pass it. A descriptor depends only on the tensor's address, shape, strides and the box,
+so the encoded ones are kept by those (a weight's is encoded once; an activation buffer that a compiled graph
+reuses, once per address), which is correct for whatever tensor later sits at that address with that shape.
 
 It serves the launcher this Triton (3.6) builds for CUDA: `from_compiled` returns None where the launcher is not of
 that shape (another Triton, a kernel that needs scratch memory), and the caller keeps Triton's own path; a call made
@@ -17,6 +17,7 @@ while Triton's launch hooks are set (a Triton profiler) should take Triton's pat
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import FunctionType
 from typing import Any, Callable
 
 import torch
@@ -25,9 +26,13 @@ DESCRIPTOR_LIMIT = 4096
 """Encoded descriptors kept per launcher; past that it starts afresh (addresses churn only in eager code)."""
 
 
-def _raw_launch(launcher: Any) -> Callable[..., None] | None:
-    """The compiled C `launch` under Triton's Python wrapper of `launcher` (a CudaLauncher), or None."""
+def _raw_launch(launcher: Any, descriptors: bool) -> Callable[..., None] | None:
+    """The compiled C `launch` of `launcher` (a CudaLauncher), or None: for a kernel with `descriptors`, the one under
+    Triton's Python wrapper that encodes them; else the launcher's `launch` itself, which Triton leaves unwrapped."""
     wrapped = getattr(launcher, "launch", None)
+    if not descriptors:
+        named = getattr(wrapped, "__name__", None) == "launch"
+        return wrapped if named and callable(wrapped) and not isinstance(wrapped, FunctionType) else None
     cells = getattr(wrapped, "__closure__", None) or ()
     found = [c.cell_contents for c in cells
              if getattr(c.cell_contents, "__name__", None) == "launch" and callable(c.cell_contents)]
@@ -41,9 +46,10 @@ def _hook_set(hook: Any) -> bool:
 
 
 @dataclass(eq=False)
-class TmaLauncher:
-    """`compiled` at `grid`, its arguments in the kernel's order with each tensor-descriptor parameter given as
-    `encode(slot, tensor, shape, strides)`'s tuple; the caller launches through Triton where `hooked()`."""
+class CLauncher:
+    """`compiled` at `grid`, its arguments in the kernel's order (constexprs included, as Triton's runner passes
+    them) with each tensor-descriptor parameter given as `encode(slot, tensor, shape, strides)`'s tuple; the caller
+    launches through Triton where `hooked()`. `descriptor_meta` is empty for a kernel without descriptors."""
     raw: Callable[..., None]
     grid: tuple[int, int, int]
     function: int
@@ -57,7 +63,7 @@ class TmaLauncher:
     _encoded: dict[tuple, tuple] = field(default_factory=dict, init=False, repr=False)
 
     @classmethod
-    def from_compiled(cls, compiled: Any, grid: tuple[int, ...], device_index: int) -> TmaLauncher | None:
+    def from_compiled(cls, compiled: Any, grid: tuple[int, ...], device_index: int) -> CLauncher | None:
         """The launcher of `compiled` (a CompiledKernel that has launched once), or None where this Triton's
         launcher is not the one this class knows."""
         try:
@@ -68,8 +74,8 @@ class TmaLauncher:
             meta = tuple(getattr(compiled.metadata, "tensordesc_meta", None) or ())
             signature = list(compiled.src.signature.values())
             descs = [s for s in signature if isinstance(s, str) and s.startswith("tensordesc")]
-            raw = _raw_launch(launcher)
-            usable = (type(launcher).__name__ == "CudaLauncher" and raw is not None and len(meta) == len(descs) > 0
+            raw = _raw_launch(launcher, bool(descs))
+            usable = (type(launcher).__name__ == "CudaLauncher" and raw is not None and len(meta) == len(descs)
                       and not launcher.global_scratch_size and not launcher.profile_scratch_size
                       and all({"swizzle", "elem_size", "elem_type", "block_size", "fp4_padded"} <= set(m)
                               and not m["fp4_padded"] for m in meta))
