@@ -593,6 +593,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gate-compiled", choices=("auto", "on", "off"), default="auto",
                    help="attach's gate_compiled: auto (None: compiled when host_compiled compiled the model first), "
                         "on (True), off (False: feed-forward sites gated eager)")
+    p.add_argument("--no-step-check", dest="step_check", action="store_false",
+                   help="attach with step_check=False: every site the gate bound stays bound, for timing the attached "
+                        "step where the step check would drop bindings (plan.step then says it was not checked)")
     p.add_argument("--trace", action="store_true",
                    help="after each row's steps, one more call under torch.profiler: the GPU's busy and idle ms "
                         "within the step and its top kernels (tools/step_trace.py; CUDA only)")
@@ -792,8 +795,10 @@ class Bench:
             f"{plan.timings.describe() if plan.timings is not None else '-'}")
 
     def attach_options(self, profile: str) -> dict[str, Any]:
-        """`attach`'s keyword options for a profile ("default": none) and this run's --gate-compiled."""
-        return {"gate_compiled": self.args.gate_compiled, **({} if profile == "default" else {"profile": profile})}
+        """`attach`'s keyword options for a profile ("default": none) and this run's --gate-compiled and
+        --no-step-check."""
+        return {"gate_compiled": self.args.gate_compiled, **({} if self.args.step_check else {"step_check": False}),
+                **({} if profile == "default" else {"profile": profile})}
 
     def attach(self, profile: str, prof: dict[str, Any]) -> Plan | None:
         plan: list[Plan] = []
@@ -1015,6 +1020,9 @@ def print_tables(data: dict[str, Any]) -> None:
             print(f"host profile: {r['row']} ({r['profile'] or '-'}): {h['total_ms']:.1f} ms profiled, {h['calls']} "
                   "calls; own ms / cum ms / calls:")
             for where, own, cum, n in h["top"]:
+                print(f"  {own:9.2f} {cum:9.2f} {n:7d}  {where}")
+            print("  most called:")
+            for where, own, cum, n in h.get("most_called", ()):
                 print(f"  {own:9.2f} {cum:9.2f} {n:7d}  {where}")
     for c in data.get("checks", []):
         peer = f", {c['x_peer']:.3f}x the peer" if "x_peer" in c else ""

@@ -16,10 +16,12 @@ import torch
 
 @dataclass(frozen=True)
 class HostProfile:
-    """One call's functions by their own time: (where, own ms, cumulative ms, calls), most own time first."""
+    """One call's functions as (where, own ms, cumulative ms, calls): `top` by own time, `most_called` by calls (a
+    step that makes many more Python calls than its host's shows where they come from)."""
     total_ms: float  # the profiled call's own wall clock, synchronised at the end
     calls: int  # function calls cProfile counted
     top: tuple[tuple[str, float, float, int], ...]
+    most_called: tuple[tuple[str, float, float, int], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -49,7 +51,12 @@ def profile_call(fn: Callable[[], Any], device: torch.device, top: int = 25) -> 
     profiler.disable()
     total_ms = (time.perf_counter() - start) * 1e3
     stats = pstats.Stats(profiler)
-    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]  # type: ignore[attr-defined]
-    calls = sum(v[1] for v in stats.stats.values())  # type: ignore[attr-defined]
-    return HostProfile(total_ms=total_ms, calls=int(calls),
-                       top=tuple((_where(k), v[2] * 1e3, v[3] * 1e3, int(v[1])) for k, v in rows))
+    items = stats.stats.items()  # type: ignore[attr-defined]
+    calls = sum(v[1] for _, v in items)
+
+    def listed(rank: Callable[[tuple], float]) -> tuple[tuple[str, float, float, int], ...]:
+        rows = sorted(items, key=rank)[:top]
+        return tuple((_where(k), v[2] * 1e3, v[3] * 1e3, int(v[1])) for k, v in rows)
+
+    return HostProfile(total_ms=total_ms, calls=int(calls), top=listed(lambda kv: -kv[1][2]),
+                       most_called=listed(lambda kv: -kv[1][1]))
