@@ -52,6 +52,30 @@ def test_the_kernel_gives_the_torch_quantisers_bits_of_the_concatenation(ka, kb,
 
 
 @pytest.mark.interpreter
+def test_the_op_keeps_one_launch_a_layout_and_each_call_gets_its_own_codes():
+    """A compiled graph calls `flash_catalog::quantize_cat_rows_int8` at one layout every step: checked and prepared
+    once, launched again on each step's rows; no rows: the checked call serves, and nothing is launched."""
+    op = torch.ops.flash_catalog.quantize_cat_rows_int8
+    linear_ops.clear_prepared()
+    g = torch.Generator().manual_seed(6)
+    for _ in range(3):
+        a, b = torch.randn(9, 16, generator=g).bfloat16(), (torch.randn(9, 48, generator=g) * 3).bfloat16()
+        codes, scale = op(a, b, "gelu_tanh")
+        ref_codes, ref_scale = quantize_cat_rows_int8_torch(a, b, "gelu_tanh")
+        assert torch.equal(codes, ref_codes) and torch.equal(scale, ref_scale)
+    assert len(linear_ops._CAT_PREPARED) == 1 and next(iter(linear_ops._CAT_PREPARED.values())) is not None
+    a, b = torch.randn(9, 16, generator=g).bfloat16(), torch.randn(9, 48, generator=g).bfloat16()
+    codes, _ = op(a, b, None)  # another activation: a layout of its own
+    assert torch.equal(codes, quantize_cat_rows_int8_torch(a, b, None)[0]) and len(linear_ops._CAT_PREPARED) == 2
+    codes, _ = op(torch.randn(0, 16).bfloat16(), torch.randn(0, 48).bfloat16(), "gelu_tanh")
+    assert codes.shape == (0, 64) and list(linear_ops._CAT_PREPARED.values())[-1] is None
+    with pytest.raises(ValueError, match="a and b must be rows of one count, dtype and device"):
+        op(torch.randn(9, 16).bfloat16(), torch.randn(9, 48).half(), "gelu_tanh")
+    linear_ops.clear_prepared()
+    assert not linear_ops._CAT_PREPARED
+
+
+@pytest.mark.interpreter
 def test_a_repeated_call_reuses_its_kept_launch_and_clearing_forgets_it():
     """The op's calls at one layout (a compiled graph's, step after step) share one kept launch, with new values."""
     from flash_catalog.kernels.cat_rows import CAT_LAUNCHES, clear_launch_cache

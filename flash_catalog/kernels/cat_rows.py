@@ -10,6 +10,8 @@ concatenation (with the activation, up to the odd ulp where Triton's fp32 GELU/S
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -19,9 +21,10 @@ from .int8_gemm import (MAX_FUSED_ROW, _held_part, _row_blocks, _row_scales, _st
                         triton_serves)
 from .interpreter import interpreted
 from .rows import check_rows
-from .triton_launch import LaunchCache
+from .triton_launch import LaunchCache, RepeatLaunch
 
-__all__ = ["quantize_cat_rows_int8", "quantize_cat_rows_int8_torch", "cat_quantiser_serves", "clear_launch_cache"]
+__all__ = ["quantize_cat_rows_int8", "quantize_cat_rows_int8_torch", "cat_quantiser_serves", "clear_launch_cache",
+           "repeat_cat_quant"]
 
 
 @triton.jit
@@ -102,9 +105,25 @@ def quantize_cat_rows_int8(a: torch.Tensor, b: torch.Tensor,
     scale = torch.empty((m, 1), dtype=torch.float32, device=a.device)
     if m == 0:
         return codes, scale
-    block_m, block_a, tail_a, block_b, tail_b, warps = _launch(ka, kb, activation)
-    CAT_LAUNCHES((triton.cdiv(m, block_m),), (a, b, codes, scale), (m, ka, kb, a.stride(0), b.stride(0)),
-                 (("ACT", ACT_CODE[activation]), ("ROUND", ROUND_CODE[a.dtype]),
-                  ("INTERPRET", interpreted(_quant_cat_rows_kernel)), ("BLOCK_M", block_m), ("BLOCK_A", block_a),
-                  ("TAIL_A", tail_a), ("BLOCK_B", block_b), ("TAIL_B", tail_b), ("num_warps", warps)))
+    grid, scalars, meta = _cat_args(a, b, activation)
+    CAT_LAUNCHES(grid, (a, b, codes, scale), scalars, meta)
     return codes, scale
+
+
+def repeat_cat_quant(a: torch.Tensor, b: torch.Tensor, activation: str | None) -> RepeatLaunch:
+    """The kernel's launch for rows like a and b (where `cat_quantiser_serves` them, at least one row), fixed for
+    calls at their layout (shapes, strides, dtype, alignment): `(a, b, codes, scale)`, codes and scales as
+    `quantize_cat_rows_int8` allocates them."""
+    grid, scalars, meta = _cat_args(a, b, activation)
+    return RepeatLaunch(_quant_cat_rows_kernel, grid, scalars, dict(meta))
+
+
+def _cat_args(a: torch.Tensor, b: torch.Tensor, activation: str | None
+              ) -> tuple[tuple[int], tuple[int, ...], tuple[tuple[str, Any], ...]]:
+    """The grid, scalars and meta pairs of `_quant_cat_rows_kernel` for rows a (M, KA) and b (M, KB)."""
+    (m, ka), kb = a.shape, b.shape[1]
+    block_m, block_a, tail_a, block_b, tail_b, warps = _launch(ka, kb, activation)
+    return ((triton.cdiv(m, block_m),), (m, ka, kb, a.stride(0), b.stride(0)),
+            (("ACT", ACT_CODE[activation]), ("ROUND", ROUND_CODE[a.dtype]),
+             ("INTERPRET", interpreted(_quant_cat_rows_kernel)), ("BLOCK_M", block_m), ("BLOCK_A", block_a),
+             ("TAIL_A", tail_a), ("BLOCK_B", block_b), ("TAIL_B", tail_b), ("num_warps", warps)))

@@ -192,6 +192,7 @@ def clear_prepared() -> None:
     """Forget the traced GEMMs' and row quantisers' prepared launches (the choices stay in `COMPILED_CHOICES`)."""
     _PREPARED.clear()
     _QUANT_PREPARED.clear()
+    _CAT_PREPARED.clear()
 
 
 for _key_name in ("CUDA", "CPU"):  # CPU: the checked torch path (no kernel to prepare)
@@ -255,13 +256,29 @@ _LIB.impl("quantize_rows_int8_fusable", _quantize_rows_int8_fusable, "CompositeI
 _LIB.define("quantize_cat_rows_int8(Tensor a, Tensor b, str? activation) -> (Tensor, Tensor)")
 
 
+_CAT_PREPARED: dict[tuple, RepeatLaunch | None] = {}  # both parts' layout -> its launch (None: the checked call)
+
+
 def _quantize_cat_rows_int8(a: torch.Tensor, b: torch.Tensor,
                             activation: str | None) -> tuple[torch.Tensor, torch.Tensor]:
     """`cat_rows.quantize_cat_rows_int8`: the codes and scales of `cat([a, activation(b)], 1)`, one pass a row where
-    the kernel serves, else the torch path (the same bits)."""
-    from .cat_rows import quantize_cat_rows_int8
+    the kernel serves, else the torch path (the same bits). The checks and the launch's arguments once per both
+    parts' layout, as `_quantize_rows_int8` (a compiled Flux step calls it in every single-stream block)."""
+    key = (a.dtype, a.shape, a.stride(), a.data_ptr() % 16, b.dtype, b.shape, b.stride(), b.data_ptr() % 16, a.device,
+           b.device, activation)
+    launch = _CAT_PREPARED.get(key)
+    if launch is None:
+        from .cat_rows import cat_quantiser_serves, quantize_cat_rows_int8, repeat_cat_quant
 
-    return quantize_cat_rows_int8(a, b, activation)
+        result = quantize_cat_rows_int8(a, b, activation)  # its checks raise before anything is kept
+        if key not in _CAT_PREPARED:
+            _remember(_CAT_PREPARED, key,
+                      repeat_cat_quant(a, b, activation) if cat_quantiser_serves(a, b) and a.shape[0] > 0 else None)
+        return result
+    codes = torch.empty((a.shape[0], a.shape[1] + b.shape[1]), dtype=torch.int8, device=a.device)
+    scale = torch.empty((a.shape[0], 1), dtype=torch.float32, device=a.device)
+    launch(a, b, codes, scale)
+    return codes, scale
 
 
 for _key_name in ("CUDA", "CPU"):
