@@ -188,6 +188,23 @@ def test_host_profile_names_the_functions_a_call_spends_its_time_in():
     assert profiled.calls >= 4 and profiled.to_dict()["total_ms"] == profiled.total_ms
 
 
+def test_the_static_launch_census_counts_kernels_and_ranks_the_others_by_reason_and_name():
+    import static_launches as sl
+
+    kernels = [sl.KernelLaunch("triton_poi_fused_silu_0", True),
+               sl.KernelLaunch("triton_red_fused_amax_" + "x" * 100, False, "CannotStaticallyLaunchKernel: hooks"),
+               sl.KernelLaunch("triton_red_fused_amax_" + "x" * 100, False, "CannotStaticallyLaunchKernel: hooks"),
+               sl.KernelLaunch("triton_per_fused_norm_1", False, "")]
+    c = sl.tally(kernels, name_chars=30)
+    assert (c.static, c.other) == (1, 3)
+    assert c.others == (("CannotStaticallyLaunchKernel: hooks", "triton_red_fused_amax_xxxxxxxx", 2),
+                        ("unknown", "triton_per_fused_norm_1", 1))
+    assert c.describe(top=1) == ("1 kernels launch statically, 3 through Triton's own path: "
+                                 "triton_red_fused_amax_xxxxxxxx x2 (CannotStaticallyLaunchKernel: hooks)")
+    assert sl.Census(**json.loads(json.dumps(c.to_dict()))).describe() == c.describe()  # as bench_model reads it
+    assert sl.tally([]).describe() == "0 kernels launch statically, 0 through Triton's own path"
+
+
 def test_step_trace_counts_overlapping_device_work_once_and_the_gaps_as_idle_before_the_launch_that_ends_them():
     events = [{"cat": "kernel", "name": "gemm", "ts": 0, "dur": 400},
               {"cat": "kernel", "name": "attn", "ts": 300, "dur": 300},  # overlaps gemm by 100 us

@@ -93,6 +93,7 @@ from flash_catalog.capture.stance import user_compiled  # noqa: E402
 from flash_catalog.kernels.linear_ops import TRACED_INT8_ENV, traced_int8_policy  # noqa: E402
 from flash_catalog.plan.environment import environment  # noqa: E402
 from host_profile import profile_call  # noqa: E402
+from static_launches import Census, census  # noqa: E402
 from step_trace import trace_call  # noqa: E402
 
 ROWS = ("host_eager", "host_compiled", "attached_eager", "attached_compiled", "peer_compiled")
@@ -598,7 +599,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "step where the step check would drop bindings (plan.step then says it was not checked)")
     p.add_argument("--trace", action="store_true",
                    help="after each row's steps, one more call under torch.profiler: the GPU's busy and idle ms "
-                        "within the step and its top kernels (tools/step_trace.py; CUDA only)")
+                        "within the step and its top kernels (tools/step_trace.py; CUDA only); at the end, which of "
+                        "inductor's kernels skip its static launcher, and why (tools/static_launches.py)")
     p.add_argument("--host-profile", action="store_true",
                    help="after each row's steps, one more call under cProfile: the host functions that took most "
                         "of it (tools/host_profile.py); slows Python calls, so compare rows, not step times")
@@ -887,6 +889,8 @@ def main(argv: list[str] | None = None) -> int:
     if "peer_compiled" in args.rows:
         bench.run_row("peer_compiled", None, bench.peer_estimate_s(), bench.peer_compiled, peer_blocked(device))
 
+    if args.trace and device.type == "cuda":
+        report.data["static_launches"] = census().to_dict()
     report.data["checks"] = never_slower(report.data["rows"], report.data["profiles"])
     report.data["finished"] = True
     report.data["elapsed_s"] = time.monotonic() - START
@@ -1014,6 +1018,8 @@ def print_tables(data: dict[str, Any]) -> None:
                   f"idle {t['idle_ms']:.1f} ms; top: " + "; ".join(f"{n} {ms:.1f} ms x{c}" for n, ms, c in t["top"]))
             if t.get("waits"):
                 print("  idle before: " + "; ".join(f"{n} {ms:.2f} ms x{c}" for n, ms, c in t["waits"]))
+    if data.get("static_launches"):
+        print("inductor's kernels (every row): " + Census(**data["static_launches"]).describe())
     for r in data["rows"]:
         if r.get("host_profile"):
             h = r["host_profile"]
