@@ -769,9 +769,12 @@ class Bench:
         prof["routed_calls"] = sum(plan.routed.values())
         prof["fallback_calls"] = sum(plan.fallbacks.values())
         guarded(self.report, prof, f"detach {profile}", lambda: self.detach(plan, prof, check_s))
+        recompiled = (" (the host compiled afresh: the step check reset the blocks' graphs, and inductor times some "
+                      "kernels' configurations at their first run)" if prof.get("detach_recompiled") else "")
         log(f"detach {profile}: eager equal {prof.get('detach_eager_equal')}, compiled equal "
-            f"{prof.get('detach_compiled_equal')}, state dict equal {prof.get('detach_state_dict_equal')}; "
-            f"calls routed {prof['routed_calls']}, fallbacks {prof['fallback_calls']}")
+            f"{prof.get('detach_compiled_equal')}{recompiled}, state dict equal "
+            f"{prof.get('detach_state_dict_equal')}; calls routed {prof['routed_calls']}, fallbacks "
+            f"{prof['fallback_calls']}")
         if args.reattach:
             guarded(self.report, prof, f"reattach {profile}", lambda: self.reattach(profile, prof))
 
@@ -854,6 +857,8 @@ class Bench:
                 prof["detach_eager_equal"] = equal(self.call()[1], self.ref)
             if self.host_compiled_out is not None:
                 prof["detach_compiled_equal"] = equal(self.call()[1], self.host_compiled_out)
+                # the step check reset the blocks' graphs when it dropped bindings: the host compiled afresh
+                prof["detach_recompiled"] = bool(plan.step is not None and plan.step.dropped)
         mismatches = fingerprint_mismatches(self.before, fingerprint(self.model))
         prof["detach_state_dict_equal"] = not mismatches
         prof["state_dict_mismatches"] = mismatches[:10]
