@@ -45,8 +45,9 @@ def _quant_cat_rows_kernel(A, B, Q, S, M, KA, KB, stride_am, stride_bm,
 
 
 CAT_LAUNCHES = LaunchCache(_quant_cat_rows_kernel)
-"""The kernel's launches by grid, scalars, constexprs and operand specialisation: a compiled graph calls the op at
-the same rows every step, so after the first call it skips the JIT's argument binding (`triton_launch`)."""
+"""The kernel's launches by grid, scalars, constexprs and operand specialisation, for calls of
+`quantize_cat_rows_int8` (repeated ones skip the JIT's argument binding, `triton_launch`); the traced op keeps its
+own launch per layout after its first call (`linear_ops`), with the checks done once."""
 
 
 def clear_launch_cache() -> None:

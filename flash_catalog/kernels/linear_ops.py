@@ -189,7 +189,8 @@ def _remember(store: dict, key: tuple, value: object, limit: int = 256) -> None:
 
 
 def clear_prepared() -> None:
-    """Forget the traced GEMMs' and row quantisers' prepared launches (the choices stay in `COMPILED_CHOICES`)."""
+    """Forget the traced GEMMs', row quantisers' and concatenation quantisers' prepared launches (the choices stay
+    in `COMPILED_CHOICES`)."""
     _PREPARED.clear()
     _QUANT_PREPARED.clear()
     _CAT_PREPARED.clear()
