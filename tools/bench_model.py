@@ -35,7 +35,8 @@ so its `_no_split_modules`, JointTransformerBlock, are given as them); then for 
 model, timed (with `host_compiled` among the rows the model is compiled before attach, so its feed-forward sites are
 gated compiled, and `attached_eager` then runs that plan eager: leave `host_compiled` out or pass `--gate-compiled off`
 for a plan gated eager), with its peak extra and resident device memory; `attached_eager` (under
-`torch.compiler.set_stance("force_eager")`); `attached_compiled` (first call = the recompile); `detach`, then the
+`torch.compiler.set_stance("force_eager")`); `attached_compiled` (first call = the recompile), again under each of
+`--also-traced-int8`'s policies (`FLASH_CATALOG_TRACED_INT8`, dynamo reset before each); `detach`, then the
 exactness checks: eager and compiled outputs bit-equal to the host's, and the state dict equal to a fingerprint taken
 before any attach (per tensor: dtype, shape, device, and the float64 sum and 16 strided elements; nothing is copied
 whole); last, `peer_compiled`: the model built again from the seed (its fingerprint checked against the host's),
@@ -90,7 +91,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from flash_catalog import Plan, attach, detach  # noqa: E402
 from flash_catalog.capture.stance import user_compiled  # noqa: E402
-from flash_catalog.kernels.linear_ops import TRACED_INT8_ENV, traced_int8_policy  # noqa: E402
+from flash_catalog.kernels.linear_ops import (TRACED_INT8_ENV, TRACED_INT8_POLICIES,  # noqa: E402
+                                              traced_int8_policy)
 from flash_catalog.plan.environment import environment  # noqa: E402
 from host_profile import profile_call  # noqa: E402
 from static_launches import Census, census  # noqa: E402
@@ -604,6 +606,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--host-profile", action="store_true",
                    help="after each row's steps, one more call under cProfile: the host functions that took most "
                         "of it (tools/host_profile.py); slows Python calls, so compare rows, not step times")
+    p.add_argument("--also-traced-int8", default="", metavar="POLICIES",
+                   help="comma-separated INT8 policies (" + ", ".join(TRACED_INT8_POLICIES) + ") to time the "
+                        "attached compiled row again under, after it, in this process: "
+                        f"{TRACED_INT8_ENV} set and dynamo reset for each (the host compiles afresh after detach)")
     p.add_argument("--reattach", action="store_true",
                    help="after each profile's detach, attach it once more from the first attach's receipt "
                         "(plan=, as a saved plan is reused: no paired timing, accuracy gated at every site), "
@@ -614,6 +620,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.steps < 1:
         p.error("--steps must be >= 1")
     args.profiles = [] if args.profiles == "none" else [s for s in args.profiles.split(",") if s]
+    args.also_traced_int8 = chosen(p, args.also_traced_int8, TRACED_INT8_POLICIES, "also-traced-int8") \
+        if args.also_traced_int8 else []
     return finish_common(args, "bench_model")
 
 
@@ -765,12 +773,18 @@ class Bench:
         if "attached_compiled" in args.rows:
             self.run_row("attached_compiled", profile, budget.compile_s + self.steps_s(),
                          self.attached_compiled, None if self.compile_ok else "the model did not compile")
+            for policy in args.also_traced_int8:
+                self.run_row("attached_compiled", f"{profile} {policy}", budget.compile_s + self.steps_s(),
+                             lambda record, policy=policy: self.attached_compiled_under(policy, record),
+                             None if self.compile_ok else "the model did not compile")
+                prof["graphs_reset"] = True
         prof["plan"] = plan.to_dict()
         prof["routed_calls"] = sum(plan.routed.values())
         prof["fallback_calls"] = sum(plan.fallbacks.values())
         guarded(self.report, prof, f"detach {profile}", lambda: self.detach(plan, prof, check_s))
-        recompiled = (" (the host compiled afresh: the step check reset the blocks' graphs, and inductor times some "
-                      "kernels' configurations at their first run)" if prof.get("detach_recompiled") else "")
+        recompiled = (" (the host compiled afresh: the step check or --also-traced-int8 reset the blocks' graphs, "
+                      "and inductor times some kernels' configurations at their first run)"
+                      if prof.get("detach_recompiled") else "")
         log(f"detach {profile}: eager equal {prof.get('detach_eager_equal')}, compiled equal "
             f"{prof.get('detach_compiled_equal')}{recompiled}, state dict equal "
             f"{prof.get('detach_state_dict_equal')}; calls routed {prof['routed_calls']}, fallbacks "
@@ -848,6 +862,21 @@ class Bench:
         self.budget.compile_s = max(self.budget.compile_s, record["compile_s"])
         self.compare(record, self.steps(record))
 
+    def attached_compiled_under(self, policy: str, record: dict[str, Any]) -> None:
+        """The attached compiled row again, its graphs traced afresh with `TRACED_INT8_ENV` set to `policy`."""
+        before = os.environ.get(TRACED_INT8_ENV)
+        os.environ[TRACED_INT8_ENV] = policy
+        try:
+            torch._dynamo.reset()
+            record["traced_int8"] = policy
+            self.attached_compiled(record)
+        finally:
+            if before is None:
+                os.environ.pop(TRACED_INT8_ENV)
+            else:
+                os.environ[TRACED_INT8_ENV] = before
+            torch._dynamo.reset()
+
     def detach(self, plan: Plan, prof: dict[str, Any], check_s: float) -> None:
         t0 = time.monotonic()
         detach(plan)
@@ -858,7 +887,8 @@ class Bench:
             if self.host_compiled_out is not None:
                 prof["detach_compiled_equal"] = equal(self.call()[1], self.host_compiled_out)
                 # the step check reset the blocks' graphs when it dropped bindings: the host compiled afresh
-                prof["detach_recompiled"] = bool(plan.step is not None and plan.step.dropped)
+                prof["detach_recompiled"] = bool(plan.step is not None and plan.step.dropped) \
+                    or prof.get("graphs_reset", False)
         mismatches = fingerprint_mismatches(self.before, fingerprint(self.model))
         prof["detach_state_dict_equal"] = not mismatches
         prof["state_dict_mismatches"] = mismatches[:10]

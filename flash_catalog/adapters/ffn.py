@@ -25,6 +25,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..capture.calls import describe_input
 from ..pinned import PinnedCopy, pinned_copy
+from .shared_inputs import SharedInputs
 from .swap import STATE, Attached
 
 FfnKey = tuple[tuple[int, ...], torch.dtype, torch.device]  # input shape, dtype, device
@@ -87,8 +88,10 @@ Calibrate = Callable[["FfnSite", torch.Tensor], torch.Tensor]
 class FfnSite:
     """One feed-forward site's state on its module: calibrating (`calibrate` set) or bound (`replacement`)."""
 
-    def __init__(self, path: str, module: nn.Module, offload: bool, calibrate: Calibrate) -> None:
+    def __init__(self, path: str, module: nn.Module, offload: bool, calibrate: Calibrate,
+                 shared: SharedInputs | None = None) -> None:
         self.path = path
+        self.shared = shared  # where calibration calls are noted by input tensor
         self.module = module
         self.offload = offload
         self.calibrate: Calibrate | None = calibrate
@@ -115,6 +118,8 @@ class FfnSite:
             kwargs.get(self._input) if not args and len(kwargs) == 1 and self._input is not None else None)
         plain = isinstance(x, torch.Tensor)
         if plain and self.calibrate is not None:
+            if self.shared is not None and not torch.compiler.is_compiling():
+                self.shared.note(self.path, x)
             return self.calibrate(self, x)
         bound = plain and ffn_key(x) in self.keys and not torch.is_grad_enabled()
         if bound and self.replacement is not None:

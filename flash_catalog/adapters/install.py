@@ -19,6 +19,7 @@ from .base import Adapter
 from .ffn import Calibrate, FfnSite
 from .patches import GlobalPatch, apply_all, revert_all
 from .router import AttentionRouter, Capture, Mode, SiteSlot
+from .shared_inputs import SharedInputs
 from .swap import STATE, Attached, ForwardFor, swap_refusal
 
 
@@ -44,8 +45,9 @@ class Installation:
     (through the router) and feed-forward sites alike."""
 
     def __init__(self, router: AttentionRouter, patches: list[GlobalPatch], modules: dict[str, nn.Module],
-                 hooks: bool, ffn_sites: Sequence[FfnSite] = ()) -> None:
+                 hooks: bool, ffn_sites: Sequence[FfnSite] = (), shared: SharedInputs | None = None) -> None:
         self.router = router
+        self.shared = shared  # which feed-forward sites read one input (noted during calibration)
         self.patches = patches
         self.hooks = hooks  # frames from hooks, then class swaps (else: from the attention interface)
         self.ffn_sites = list(ffn_sites)  # after bind: the bound ones only
@@ -73,8 +75,9 @@ class Installation:
             else:
                 stand_in = router.framing(original) if t.kind == "frame" else router.replacement(original, t.signature)
             patches.append(GlobalPatch(t.namespace, t.name, original, stand_in))
-        ffn_sites = [FfnSite(path, module, offload, calibrate) for path, module in ffn_modules.items()]
-        return cls(router, patches, modules, adapter.hooks, ffn_sites)
+        shared = SharedInputs()
+        ffn_sites = [FfnSite(path, module, offload, calibrate, shared) for path, module in ffn_modules.items()]
+        return cls(router, patches, modules, adapter.hooks, ffn_sites, shared)
 
     def install(self) -> None:
         """Site states (or hooks), then patches, then the feed-forward sites; on failure of the attention part
@@ -96,12 +99,13 @@ class Installation:
     def bind(self) -> None:
         """Switch to routing: feed-forward sites that no form serves go back to the host, the others route;
         routed attention sites keep their state (hook adapters: through a class swap), the rest lose it;
-        calibration hooks go."""
+        calibration hooks go. Bound projections that read one input share one weight buffer (`shared_weights`)."""
         for site in self.ffn_sites:
             if site.replacement is None:
                 site.uninstall()
             site.finish()
         self.ffn_sites = [s for s in self.ffn_sites if s.replacement is not None]
+        self._share_weights()
         self._remove_hooks()
         for path, slot in self.slots.items():
             if not slot.bound():
@@ -110,6 +114,18 @@ class Installation:
                 self._attach(path, framed_forward_for)
         self.router.capture = None
         self.router.mode = Mode.ROUTE
+
+    def _share_weights(self) -> None:
+        """Lay out the weights of bound sites that read one input in one buffer each group (where their modules
+        allow it): a compiled graph then runs them as one GEMM."""
+        if self.shared is None:
+            return
+        from ..forms.shared_weights import lay_out_together
+
+        bound = {s.path: s.replacement for s in self.ffn_sites}
+        for group in self.shared.groups():
+            modules = [bound[p] for p in group if p in bound]
+            lay_out_together(modules)
 
     def uninstall(self) -> None:
         """Restore every patched name, hook and module; harmless when already done."""

@@ -12,7 +12,9 @@ the activation differently now and then, so a rewritten graph gives the eager pa
 The pass is inductor configuration (`torch._inductor.config.pre_grad_custom_pass`), process-wide: `hold(owner)`
 installs it for the first owner, chained after any pass already set there, and `let_go(owner)` puts the earlier
 setting back when the last owner lets go (an attachment with INT8 linears holds it from attach to detach). Graphs it
-rewrote keep their rewrite; it changes nothing in a graph without the op.
+rewrote keep their rewrite; it changes nothing in a graph without the op. The same pass then runs
+`gemm_groups.group_shared_gemms`: traced INT8 projections that read one input through weights laid side by side
+become one GEMM.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from typing import Any, Callable
 
 import torch
 from torch import fx
+
+from .gemm_groups import group_shared_gemms
+from .linear_ops import traced_int8_policy
 
 __all__ = ["CatRowsRewrite", "hold", "let_go", "holders", "rewrite_cat_rows"]
 
@@ -127,7 +132,7 @@ def _source_hash() -> str:
     """What the rewrite is, for inductor's caches: this file and the kernel's."""
     here = Path(__file__).resolve().parent
     digest = hashlib.sha256()
-    for name in ("cat_rows_rewrite.py", "cat_rows.py"):
+    for name in ("cat_rows_rewrite.py", "cat_rows.py", "gemm_groups.py"):
         digest.update((here / name).read_bytes())
     return digest.hexdigest()
 
@@ -139,7 +144,8 @@ except ImportError:  # pragma: no cover - a torch without custom graph passes: n
 
 
 class CatRowsRewrite(CustomGraphPass):  # type: ignore[misc,valid-type]
-    """The pre-grad pass: `previous` (the setting it replaced) first, then `rewrite_cat_rows`."""
+    """The pre-grad pass: `previous` (the setting it replaced) first, then `rewrite_cat_rows`, then
+    `gemm_groups.group_shared_gemms` (its cache key names the INT8 policy, which that reads)."""
 
     def __init__(self, previous: Any = None) -> None:
         self.previous = previous
@@ -149,10 +155,11 @@ class CatRowsRewrite(CustomGraphPass):  # type: ignore[misc,valid-type]
             for each in self.previous if isinstance(self.previous, (list, tuple)) else (self.previous,):
                 each(graph)
         rewrite_cat_rows(graph)
+        group_shared_gemms(graph)
 
     def uuid(self) -> Any:
         earlier = getattr(self.previous, "uuid", None)
-        return (_source_hash(), earlier() if callable(earlier) else None)
+        return (_source_hash(), traced_int8_policy(), earlier() if callable(earlier) else None)
 
 
 _HOLDERS: set[int] = set()

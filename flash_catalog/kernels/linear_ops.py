@@ -109,9 +109,10 @@ if not hasattr(torch.library, "triton_op"):  # a custom op needs its fake; a tri
 TRACED_INT8_ENV = "FLASH_CATALOG_TRACED_INT8"
 """Which ops a traced INT8 linear becomes, read when a graph is traced: "auto" (default: `int8_matmul_prepared` at
 `PREPARED_MIN_ROWS` rows or more on a GPU the Gluon kernel serves, with `quantize_rows_int8` for a fused activation's
-rows, else `int8_matmul` after torch quantisers) or "triton_op" (always `int8_matmul`, whose Triton kernel inductor
-launches, after torch quantisers)."""
-TRACED_INT8_POLICIES = ("auto", "triton_op")
+rows, else `int8_matmul` after torch quantisers; linears that read the same rows through weights laid side by side
+become one `int8_matmul_group`, `gemm_groups`), "ungrouped" ("auto" without those groups) or "triton_op" (always
+`int8_matmul`, whose Triton kernel inductor launches, after torch quantisers)."""
+TRACED_INT8_POLICIES = ("auto", "ungrouped", "triton_op")
 PREPARED_MIN_ROWS = 1024
 """Fewer rows than this keep the Triton op: the Gluon kernel's tiles gain nothing there (BENCHMARKS.md)."""
 
@@ -204,6 +205,44 @@ for _key_name in ("CUDA", "CPU"):  # CPU: the checked torch path (no kernel to p
 def _(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
       out_dtype: torch.dtype) -> torch.Tensor:
     return _rows_out(a, w.shape[0], out_dtype)
+
+
+_LIB.define("int8_matmul_group(Tensor a, Tensor a_scale, Tensor[] w, Tensor[] w_scale, Tensor[] bias, "
+            "ScalarType out_dtype) -> Tensor")
+
+
+def _side_by_side(parts: list[torch.Tensor]) -> torch.Tensor:
+    """`torch.cat(parts)` without a copy where the parts are consecutive rows of one base tensor (as
+    `forms/shared_weights` lays out the weights of projections that read one input); else the copy."""
+    first, base = parts[0], parts[0]._base
+    offset = first.storage_offset()
+    for part in parts:
+        if part._base is not base or base is None or part.shape[1:] != first.shape[1:] or not part.is_contiguous() \
+                or part.storage_offset() != offset:
+            return torch.cat(parts)
+        offset += part.numel()
+    rows = sum(part.shape[0] for part in parts)
+    return first.as_strided((rows, *first.shape[1:]), first.stride())
+
+
+def _int8_matmul_group(a: torch.Tensor, a_scale: torch.Tensor, w: list[torch.Tensor], w_scale: list[torch.Tensor],
+                       bias: list[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    """The GEMMs of several weights over the same row codes as one, (M, sum of N): column j's block is
+    `int8_matmul(a, a_scale, w[j], w_scale[j], bias[j])`, the same bits (each output element's integer dot product
+    and epilogue are the same). One launch over the weights' shared buffer where they lie side by side in it
+    (`gemm_groups` only groups such weights); weights elsewhere are concatenated first, slower but the same."""
+    return _int8_matmul_prepared(a, a_scale, _side_by_side(w), _side_by_side(w_scale), _side_by_side(bias),
+                                 out_dtype)
+
+
+for _key_name in ("CUDA", "CPU"):
+    _LIB.impl("int8_matmul_group", _int8_matmul_group, _key_name)
+
+
+@torch.library.register_fake("flash_catalog::int8_matmul_group", lib=_LIB)
+def _(a: torch.Tensor, a_scale: torch.Tensor, w: list[torch.Tensor], w_scale: list[torch.Tensor],
+      bias: list[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    return _rows_out(a, sum(part.shape[0] for part in w), out_dtype)
 
 
 _LIB.define("quantize_rows_int8(Tensor x, str? activation) -> (Tensor, Tensor)")
