@@ -2,8 +2,8 @@
 calibration, by weak reference), their weights laid out in one buffer (each module's results unchanged), the group
 op over weights side by side (the separate GEMMs' bits; weights elsewhere concatenated first, the same bits), the
 rewrite of dynamo's graph (a tiny Flux's query, key, value and `proj_mlp` folded; the model's output bit for bit
-the ungrouped graph's; the "ungrouped" policy leaves it), and a compiled tiny Flux attached through inductor (the
-op in its output, the output close to the eager one, detach exact)."""
+the ungrouped graph's; only the "grouped" policy folds), and a compiled tiny Flux attached through inductor under
+"grouped" (the op in its output, the output close to the eager one, detach exact)."""
 
 import gc
 import os
@@ -149,7 +149,7 @@ def test_the_rewrite_folds_projections_that_read_one_input_and_keeps_the_models_
     assert ("single_transformer_blocks.0.proj_mlp", "single_transformer_blocks.0.attn.to_q",
             "single_transformer_blocks.0.attn.to_k", "single_transformer_blocks.0.attn.to_v") in groups
     outputs, folded = {}, {}
-    for policy in ("ungrouped", "auto"):
+    for policy in ("auto", "grouped"):
         monkeypatch.setenv(linear_ops.TRACED_INT8_ENV, policy)
         counts: list[int] = []
 
@@ -164,14 +164,15 @@ def test_the_rewrite_folds_projections_that_read_one_input_and_keeps_the_models_
         with torch.no_grad():
             outputs[policy] = model(**inputs)[0]
         folded[policy] = counts
-    assert folded == {"ungrouped": [0, 0], "auto": [6, 4]}  # double block: q, k, v and the text's; single: 4
-    assert torch.equal(outputs["auto"], outputs["ungrouped"])
+    assert folded == {"auto": [0, 0], "grouped": [6, 4]}  # double block: q, k, v and the text's; single: 4
+    assert torch.equal(outputs["grouped"], outputs["auto"])
     detach(plan)
 
 
-def test_a_compiled_flux_model_runs_its_projections_as_one_gemm_and_detaches(fresh_dynamo):
+def test_a_compiled_flux_model_runs_its_projections_as_one_gemm_and_detaches(fresh_dynamo, monkeypatch):
     from flash_catalog import detach
 
+    monkeypatch.setenv(linear_ops.TRACED_INT8_ENV, "grouped")
     model, inputs, reference, plan = _tiny_flux_attached(compiled=True)
     with torch.no_grad():
         out, code = run_and_get_code(lambda: model(**inputs)[0])

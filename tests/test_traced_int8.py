@@ -31,7 +31,7 @@ def test_policy_keeps_the_triton_op_off_hopper_and_below_the_row_floor(monkeypat
 
 def test_policy_names_a_bad_setting_and_the_allowed_ones(monkeypatch):
     monkeypatch.setenv(linear_ops.TRACED_INT8_ENV, "fastest")
-    allowed = r"allowed: 'auto', 'ungrouped', 'triton_op'"
+    allowed = r"allowed: 'auto', 'grouped', 'triton_op'"
     with pytest.raises(ValueError, match=r"FLASH_CATALOG_TRACED_INT8='fastest'; " + allowed):
         linear_ops._gluon_traced(0)
 

@@ -12,7 +12,8 @@ rewrite (run in dynamo's graph by the inductor pre-grad pass `cat_rows_rewrite` 
 output. The bits are the separate GEMMs' (INT8 products summed exactly, the same epilogue per element); the op
 checks the weights' layout again at run time, so a graph reused for weights laid out otherwise stays correct.
 
-`TRACED_INT8_ENV` "ungrouped" (or "triton_op", where inductor launches every GEMM itself) leaves the graph alone.
+It runs where `TRACED_INT8_ENV` is "grouped" (not yet the default: its effect on a GPU step is not measured); any
+other policy leaves the graph alone.
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ def group_shared_gemms(graph: fx.Graph) -> int:
     `int8_matmul_group` (module docstring); returns how many GEMMs were folded into groups."""
     from .linear_ops import traced_int8_policy
 
-    if traced_int8_policy() != "auto":
+    if traced_int8_policy() != "grouped":
         return 0
     by_rows: dict[tuple[Any, ...], list[_Gemm]] = defaultdict(list)
     for order, node in enumerate(graph.nodes):
