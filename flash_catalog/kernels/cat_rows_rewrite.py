@@ -26,6 +26,7 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
+from .fx_nodes import reshaped_input, fake_value
 from .gemm_groups import group_shared_gemms
 from .linear_ops import traced_int8_policy
 
@@ -49,30 +50,12 @@ for _target in (torch._C._nn.gelu, torch.nn.functional.gelu):
 for _target in (torch.nn.functional.silu, torch._C._nn.silu):
     _ACTIVATIONS[_target] = _silu
 
-_RESHAPES = ("reshape", "view")
 _NO_ACTIVATION = "none"
 
 
 def _fusable_targets() -> tuple[Any, ...]:
     packet = torch.ops.flash_catalog.quantize_rows_int8_fusable
     return packet, packet.default
-
-
-def _value(node: Any) -> torch.Tensor | None:
-    """The fake tensor dynamo recorded for `node`, or None."""
-    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
-    return value if isinstance(value, torch.Tensor) else None
-
-
-def _reshaped_input(node: fx.Node) -> fx.Node | None:
-    """x where `node` is `x.reshape(...)`, `x.view(...)` or `torch.reshape(x, ...)`, else None."""
-    if node.op == "call_method" and node.target in _RESHAPES:
-        source = node.args[0]
-    elif node.op == "call_function" and node.target is torch.reshape:
-        source = node.args[0]
-    else:
-        return None
-    return source if isinstance(source, fx.Node) else None
 
 
 def _cat_parts(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
@@ -83,7 +66,7 @@ def _cat_parts(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
     if not isinstance(tensors, (list, tuple)) or len(tensors) != 2 or not all(isinstance(t, fx.Node) for t in tensors):
         return None
-    values = [_value(t) for t in tensors]
+    values = [fake_value(t) for t in tensors]
     if any(v is None for v in values) or not isinstance(dim, int) or values[0].dim() != values[1].dim():
         return None
     if dim not in (-1, values[0].dim() - 1) or values[0].dtype != values[1].dtype:
@@ -107,13 +90,13 @@ def rewrite_cat_rows(graph: fx.Graph) -> int:
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in targets or len(node.args) != 1:
             continue
-        source = _reshaped_input(node.args[0]) if isinstance(node.args[0], fx.Node) else None
+        source = reshaped_input(node.args[0]) if isinstance(node.args[0], fx.Node) else None
         parts = _cat_parts(source) if source is not None else None
         if parts is None:
             continue
         a, activated = parts
         b, activation = _activated(activated)
-        ka, kb = _value(a).shape[-1], _value(activated).shape[-1]
+        ka, kb = fake_value(a).shape[-1], fake_value(activated).shape[-1]
         with graph.inserting_before(node):
             a2 = graph.call_method("reshape", (a, -1, ka))
             b2 = graph.call_method("reshape", (b, -1, kb))
@@ -132,7 +115,7 @@ def _source_hash() -> str:
     """What the rewrite is, for inductor's caches: this file and the kernel's."""
     here = Path(__file__).resolve().parent
     digest = hashlib.sha256()
-    for name in ("cat_rows_rewrite.py", "cat_rows.py", "gemm_groups.py"):
+    for name in ("cat_rows_rewrite.py", "cat_rows.py", "gemm_groups.py", "fx_nodes.py"):
         digest.update((here / name).read_bytes())
     return digest.hexdigest()
 

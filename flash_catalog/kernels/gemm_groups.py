@@ -27,13 +27,10 @@ import torch
 from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .fx_nodes import reshaped_input, fake_value
+from .linear_ops import traced_int8_policy
+
 __all__ = ["group_shared_gemms"]
-
-
-def _value(node: Any) -> torch.Tensor | None:
-    """The fake tensor dynamo recorded for `node`, or None."""
-    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
-    return value if isinstance(value, torch.Tensor) else None
 
 
 def _gemm_targets() -> tuple[Any, ...]:
@@ -70,25 +67,17 @@ def _quantiser_of(codes: Any, scale: Any) -> fx.Node | None:
     return q
 
 
-def _reshaped(node: fx.Node) -> fx.Node:
-    """x where `node` reshapes or views x, else node itself."""
-    if node.op == "call_method" and node.target in ("reshape", "view") and isinstance(node.args[0], fx.Node):
-        return node.args[0]
-    if node.op == "call_function" and node.target is torch.reshape and isinstance(node.args[0], fx.Node):
-        return node.args[0]
-    return node
-
-
 def _gemm(node: fx.Node, order: int) -> _Gemm | None:
     if node.op != "call_function" or node.target not in _gemm_targets() or len(node.args) != 6 or node.kwargs:
         return None
     codes, scale, w, w_scale, bias, out_dtype = node.args
     q = _quantiser_of(codes, scale)
-    rows = _value(q.args[0]) if q is not None and isinstance(q.args[0], fx.Node) else None
-    weights = (_value(w), _value(w_scale), _value(bias))
+    rows = fake_value(q.args[0]) if q is not None and isinstance(q.args[0], fx.Node) else None
+    weights = (fake_value(w), fake_value(w_scale), fake_value(bias))
     if rows is None or any(t is None for t in weights):
         return None
-    return _Gemm(node, order, (_reshaped(q.args[0]), tuple(rows.shape), out_dtype, node.target), weights)
+    source = reshaped_input(q.args[0]) or q.args[0]
+    return _Gemm(node, order, (source, tuple(rows.shape), out_dtype, node.target), weights)
 
 
 def _storage(t: torch.Tensor) -> StorageWeakRef:
@@ -121,7 +110,7 @@ def _fake(node: fx.Node) -> None:
     def value(a: Any) -> Any:
         if isinstance(a, (list, tuple)):
             return type(a)(value(x) for x in a)
-        return _value(a) if isinstance(a, fx.Node) else a
+        return fake_value(a) if isinstance(a, fx.Node) else a
 
     args = value(node.args)
     mode = getattr(args[0], "fake_mode", None)
@@ -151,8 +140,6 @@ def _rewrite(graph: fx.Graph, run: list[_Gemm]) -> None:
 def group_shared_gemms(graph: fx.Graph) -> int:
     """Make each run of traced INT8 GEMMs over the same rows with weights side by side one
     `int8_matmul_group` (module docstring); returns how many GEMMs were folded into groups."""
-    from .linear_ops import traced_int8_policy
-
     if traced_int8_policy() != "grouped":
         return 0
     by_rows: dict[tuple[Any, ...], list[_Gemm]] = defaultdict(list)
