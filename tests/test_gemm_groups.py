@@ -141,13 +141,18 @@ def _blocks(model):
     return [m for m in model.modules() if type(m).__name__ in ("FluxTransformerBlock", "FluxSingleTransformerBlock")]
 
 
-def test_the_rewrite_folds_projections_that_read_one_input_and_keeps_the_models_bits(fresh_dynamo, monkeypatch):
+@pytest.mark.parametrize("prepared", [False, True], ids=["int8_matmul", "int8_matmul_prepared"])
+def test_the_rewrite_folds_projections_that_read_one_input_and_keeps_the_models_bits(fresh_dynamo, monkeypatch,
+                                                                                     prepared):
     from flash_catalog import detach
 
+    if prepared:  # the GEMM op a GPU's graph holds at 1024 rows or more (traced as its overload packet)
+        monkeypatch.setattr(linear_ops, "_prepared_rows", lambda m, device: True)
     model, inputs, _, plan = _tiny_flux_attached()
     groups = plan.attachment.installation.shared.groups()
     assert ("single_transformer_blocks.0.proj_mlp", "single_transformer_blocks.0.attn.to_q",
             "single_transformer_blocks.0.attn.to_k", "single_transformer_blocks.0.attn.to_v") in groups
+    assert plan.attachment.installation.weight_groups == groups  # every site bound: each group laid out
     outputs, folded = {}, {}
     for policy in ("auto", "grouped"):
         monkeypatch.setenv(linear_ops.TRACED_INT8_ENV, policy)

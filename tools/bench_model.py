@@ -843,12 +843,15 @@ class Bench:
         p = plan[0]
         prof["counts"] = p.counts()
         prof["bound"] = dict(Counter(f"{s.kind}:{s.form}" for s in p.sites if s.outcome == "bound"))
+        installation = p.attachment.installation if p.attachment is not None else None
+        prof["weight_groups"] = [] if installation is None else [list(g) for g in installation.weight_groups]
         prof["timings"] = asdict(p.timings) if p.timings is not None else None
         prof["memory"] = p.memory()
         self.report.save()
         log(f"attach {profile}: {prof['attach_s']:.1f} s, peak extra {fmt(prof['peak_extra_gb'], '.2f')} GB, "
             f"resident change {fmt(prof['resident_change_gb'], '+.2f')} GB, counts {prof['counts']}, "
-            f"bound {prof['bound']}, plan memory {prof['memory']}")
+            f"bound {prof['bound']}, plan memory {prof['memory']}, projections laid out together: "
+            f"{len(prof['weight_groups'])} groups of {sum(map(len, prof['weight_groups']))} sites")
         log(f"attach {profile}: {p.timings.describe() if p.timings is not None else '-'}")
         return p
 

@@ -48,6 +48,7 @@ class Installation:
                  hooks: bool, ffn_sites: Sequence[FfnSite] = (), shared: SharedInputs | None = None) -> None:
         self.router = router
         self.shared = shared  # which feed-forward sites read one input (noted during calibration)
+        self.weight_groups: list[tuple[str, ...]] = []  # bound sites whose weights `bind` laid out in one buffer
         self.patches = patches
         self.hooks = hooks  # frames from hooks, then class swaps (else: from the attention interface)
         self.ffn_sites = list(ffn_sites)  # after bind: the bound ones only
@@ -124,8 +125,9 @@ class Installation:
 
         bound = {s.path: s.replacement for s in self.ffn_sites}
         for group in self.shared.groups():
-            modules = [bound[p] for p in group if p in bound]
-            lay_out_together(modules)
+            paths = tuple(p for p in group if p in bound)
+            if lay_out_together([bound[p] for p in paths]):
+                self.weight_groups.append(paths)
 
     def uninstall(self) -> None:
         """Restore every patched name, hook and module; harmless when already done."""

@@ -34,8 +34,10 @@ __all__ = ["group_shared_gemms"]
 
 
 def _gemm_targets() -> tuple[Any, ...]:
+    """The GEMM ops as dynamo records them: the overload packet where the tracer met a call of the packet
+    (`int8_matmul_prepared`, called so by `linear_ops`), the overload where it met the custom op's own call."""
     ops = torch.ops.flash_catalog
-    return ops.int8_matmul_prepared.default, ops.int8_matmul.default
+    return tuple(t for op in (ops.int8_matmul_prepared, ops.int8_matmul) for t in (op, op.default))
 
 
 @dataclass(frozen=True)
