@@ -171,7 +171,9 @@ def test_the_rewrite_folds_projections_that_read_one_input_and_keeps_the_models_
         folded[policy] = counts
     assert folded == {"auto": [0, 0], "grouped": [6, 4]}  # double block: q, k, v and the text's; single: 4
     assert torch.equal(outputs["grouped"], outputs["auto"])
+    installation = plan.attachment.installation
     detach(plan)
+    assert installation.weight_groups == []
 
 
 def test_a_compiled_flux_model_runs_its_projections_as_one_gemm_and_detaches(fresh_dynamo, monkeypatch):

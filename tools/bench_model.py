@@ -609,7 +609,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--also-traced-int8", default="", metavar="POLICIES",
                    help="comma-separated INT8 policies (" + ", ".join(TRACED_INT8_POLICIES) + ") to time the "
                         "attached compiled row again under, after it, in this process: "
-                        f"{TRACED_INT8_ENV} set and dynamo reset for each (the host compiles afresh after detach)")
+                        f"{TRACED_INT8_ENV} set and dynamo reset for each, in the order given (repeat them to "
+                        "alternate, e.g. grouped,auto,grouped; the host compiles afresh after detach)")
     p.add_argument("--reattach", action="store_true",
                    help="after each profile's detach, attach it once more from the first attach's receipt "
                         "(plan=, as a saved plan is reused: no paired timing, accuracy gated at every site), "

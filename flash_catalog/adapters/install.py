@@ -48,7 +48,8 @@ class Installation:
                  hooks: bool, ffn_sites: Sequence[FfnSite] = (), shared: SharedInputs | None = None) -> None:
         self.router = router
         self.shared = shared  # which feed-forward sites read one input (noted during calibration)
-        self.weight_groups: list[tuple[str, ...]] = []  # bound sites whose weights `bind` laid out in one buffer
+        self.weight_groups: list[tuple[str, ...]] = []  # sites whose weights `bind` laid out in one buffer (a drop
+        # later leaves the others' views where they are)
         self.patches = patches
         self.hooks = hooks  # frames from hooks, then class swaps (else: from the attention interface)
         self.ffn_sites = list(ffn_sites)  # after bind: the bound ones only
@@ -139,6 +140,7 @@ class Installation:
         for site in reversed(self.ffn_sites):
             site.uninstall()
         self.ffn_sites.clear()
+        self.weight_groups.clear()
 
     def drop(self, sites: Sequence[str]) -> None:
         """Give these bound sites back to the host (attention `path#ordinal`, feed-forward `path`): their routes go,

@@ -12,8 +12,8 @@ rewrite (run in dynamo's graph by the inductor pre-grad pass `cat_rows_rewrite` 
 output. The bits are the separate GEMMs' (INT8 products summed exactly, the same epilogue per element); the op
 checks the weights' layout again at run time, so a graph reused for weights laid out otherwise stays correct.
 
-It runs where `TRACED_INT8_ENV` is "grouped" (not yet the default: its effect on a GPU step is not measured); any
-other policy leaves the graph alone.
+It runs where `TRACED_INT8_ENV` is "grouped" (not the default: the one full-model step measured, FLUX.1-dev on an
+H200, was slower grouped, BENCHMARKS.md); any other policy leaves the graph alone.
 """
 
 from __future__ import annotations

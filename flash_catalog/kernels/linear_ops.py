@@ -110,8 +110,9 @@ TRACED_INT8_ENV = "FLASH_CATALOG_TRACED_INT8"
 """Which ops a traced INT8 linear becomes, read when a graph is traced: "auto" (default: `int8_matmul_prepared` at
 `PREPARED_MIN_ROWS` rows or more on a GPU the Gluon kernel serves, with `quantize_rows_int8` for a fused activation's
 rows, else `int8_matmul` after torch quantisers), "grouped" ("auto", and linears that read the same rows through
-weights laid side by side become one `int8_matmul_group`, `gemm_groups`: not yet measured on a GPU, so not the
-default) or "triton_op" (always `int8_matmul`, whose Triton kernel inductor launches, after torch quantisers)."""
+weights laid side by side become one `int8_matmul_group`, `gemm_groups`: fewer launches, but a slower compiled
+step where measured, so not the default) or "triton_op" (always `int8_matmul`, whose Triton kernel inductor
+launches, after torch quantisers)."""
 TRACED_INT8_POLICIES = ("auto", "grouped", "triton_op")
 PREPARED_MIN_ROWS = 1024
 """Fewer rows than this keep the Triton op: the Gluon kernel's tiles gain nothing there (BENCHMARKS.md)."""
