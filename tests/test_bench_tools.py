@@ -205,6 +205,20 @@ def test_the_static_launch_census_counts_kernels_and_ranks_the_others_by_reason_
     assert sl.tally([]).describe() == "0 kernels launch statically, 0 through Triton's own path"
 
 
+def test_the_census_asks_about_a_launchers_binary_from_its_compile_result_where_the_launcher_keeps_none():
+    from types import SimpleNamespace
+
+    import static_launches as sl
+
+    compiled = SimpleNamespace(metadata={"name": "k"})  # what a Triton CompiledKernel has, a static kernel not
+    plain = SimpleNamespace()  # Triton's launcher without a stored cubin: no `bin`
+    autotuner = SimpleNamespace(compile_results=[SimpleNamespace(kernel=compiled)])
+    assert sl._binary(autotuner, [plain]) is compiled
+    stored = SimpleNamespace(bin="cubin")
+    assert sl._binary(autotuner, [stored]) == "cubin"
+    assert sl._binary(SimpleNamespace(compile_results=[SimpleNamespace(kernel=SimpleNamespace())]), [plain]) is None
+
+
 def test_step_trace_counts_overlapping_device_work_once_and_the_gaps_as_idle_before_the_launch_that_ends_them():
     events = [{"cat": "kernel", "name": "gemm", "ts": 0, "dur": 400},
               {"cat": "kernel", "name": "attn", "ts": 300, "dur": 300},  # overlaps gemm by 100 us

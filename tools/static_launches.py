@@ -90,10 +90,22 @@ def loaded_kernels() -> list[KernelLaunch]:
             continue
         name = getattr(getattr(obj, "fn", None), "__name__", type(obj).__name__)
         static = all(getattr(launcher, "_is_static", False) for launcher in launchers)
-        binary = next((getattr(each, "bin", None) for each in launchers if not getattr(each, "_is_static", False)),
-                      None)
+        binary = None if static else _binary(obj, launchers)
         found.append(KernelLaunch(name, static, "" if static or binary is None else _why_not_static(obj, binary)))
     return found
+
+
+def _binary(autotuner: Any, launchers: list[Any]) -> Any:
+    """The compiled Triton binary behind a launcher that is not static: the launcher keeps it only where inductor
+    stores cubins (`launcher.bin`), its compile result always (`compile_results[i].kernel`, torch 2.6+)."""
+    for launcher in launchers:
+        if not getattr(launcher, "_is_static", False) and getattr(launcher, "bin", None) is not None:
+            return launcher.bin
+    for result in getattr(autotuner, "compile_results", None) or ():
+        kernel = getattr(result, "kernel", None)
+        if kernel is not None and hasattr(kernel, "metadata"):  # a Triton CompiledKernel, not a static one
+            return kernel
+    return None
 
 
 def census() -> Census:
