@@ -91,7 +91,7 @@ def loaded_kernels() -> list[KernelLaunch]:
         name = getattr(getattr(obj, "fn", None), "__name__", type(obj).__name__)
         static = all(getattr(launcher, "_is_static", False) for launcher in launchers)
         binary = None if static else _binary(obj, launchers)
-        found.append(KernelLaunch(name, static, "" if static or binary is None else _why_not_static(obj, binary)))
+        found.append(KernelLaunch(name, static, "" if binary is None else _why_not_static(obj, binary)))
     return found
 
 

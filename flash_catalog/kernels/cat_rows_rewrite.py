@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
-from .fx_nodes import reshaped_input, fake_value
+from .fx_nodes import fake_value, op_targets, reshaped_input
 from .gemm_groups import group_shared_gemms
 from .linear_ops import traced_int8_policy
 
@@ -51,11 +51,6 @@ for _target in (torch.nn.functional.silu, torch._C._nn.silu):
     _ACTIVATIONS[_target] = _silu
 
 _NO_ACTIVATION = "none"
-
-
-def _fusable_targets() -> tuple[Any, ...]:
-    packet = torch.ops.flash_catalog.quantize_rows_int8_fusable
-    return packet, packet.default
 
 
 def _cat_parts(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
@@ -85,7 +80,7 @@ def _activated(node: fx.Node) -> tuple[fx.Node, str]:
 
 def rewrite_cat_rows(graph: fx.Graph) -> int:
     """Rewrite every `quantize_rows_int8_fusable(reshape(cat([a, act(b)])))` in `graph`; returns how many."""
-    targets = _fusable_targets()
+    targets = op_targets(torch.ops.flash_catalog.quantize_rows_int8_fusable)
     rewritten = 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in targets or len(node.args) != 1:

@@ -10,6 +10,12 @@ from torch import fx
 _RESHAPES = ("reshape", "view")
 
 
+def op_targets(*packets: Any) -> tuple[Any, ...]:
+    """The call targets a dynamo graph may hold for these ops: each overload packet (where the traced code called
+    the packet, `torch.ops.ns.op(...)`) and its default overload (where it called a custom op's own object)."""
+    return tuple(t for packet in packets for t in (packet, packet.default))
+
+
 def fake_value(node: Any) -> torch.Tensor | None:
     """The fake tensor dynamo recorded for `node`, or None."""
     value = node.meta.get("example_value") if isinstance(node, fx.Node) else None

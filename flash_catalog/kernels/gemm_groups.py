@@ -27,17 +27,10 @@ import torch
 from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .fx_nodes import reshaped_input, fake_value
+from .fx_nodes import fake_value, op_targets, reshaped_input
 from .linear_ops import traced_int8_policy
 
 __all__ = ["group_shared_gemms"]
-
-
-def _gemm_targets() -> tuple[Any, ...]:
-    """The GEMM ops as dynamo records them: the overload packet where the tracer met a call of the packet
-    (`int8_matmul_prepared`, called so by `linear_ops`), the overload where it met the custom op's own call."""
-    ops = torch.ops.flash_catalog
-    return tuple(t for op in (ops.int8_matmul_prepared, ops.int8_matmul) for t in (op, op.default))
 
 
 @dataclass(frozen=True)
@@ -63,14 +56,15 @@ def _quantiser_of(codes: Any, scale: Any) -> fx.Node | None:
             return None
         parts.append(node.args[0])
     q = parts[0]
-    fusable = torch.ops.flash_catalog.quantize_rows_int8_fusable
-    if q is not parts[1] or q.target not in (fusable, fusable.default) or len(q.args) != 1:
+    if q is not parts[1] or q.target not in op_targets(torch.ops.flash_catalog.quantize_rows_int8_fusable) \
+            or len(q.args) != 1:
         return None
     return q
 
 
-def _gemm(node: fx.Node, order: int) -> _Gemm | None:
-    if node.op != "call_function" or node.target not in _gemm_targets() or len(node.args) != 6 or node.kwargs:
+def _gemm(node: fx.Node, order: int, targets: tuple[Any, ...]) -> _Gemm | None:
+    """`node` as a GEMM the grouping may fold (`targets`: the GEMM ops' call targets), else None."""
+    if node.op != "call_function" or node.target not in targets or len(node.args) != 6 or node.kwargs:
         return None
     codes, scale, w, w_scale, bias, out_dtype = node.args
     q = _quantiser_of(codes, scale)
@@ -144,9 +138,11 @@ def group_shared_gemms(graph: fx.Graph) -> int:
     `int8_matmul_group` (module docstring); returns how many GEMMs were folded into groups."""
     if traced_int8_policy() != "grouped":
         return 0
+    ops = torch.ops.flash_catalog
+    targets = op_targets(ops.int8_matmul_prepared, ops.int8_matmul)
     by_rows: dict[tuple[Any, ...], list[_Gemm]] = defaultdict(list)
     for order, node in enumerate(graph.nodes):
-        g = _gemm(node, order)
+        g = _gemm(node, order, targets)
         if g is not None:
             by_rows[g.rows].append(g)
     folded = 0
