@@ -2,7 +2,8 @@
 bare C launcher) where a compiled graph has many rows on sm_90, the inductor-launched Triton op elsewhere; both give
 the exact reference's bits; with the prepared GEMM, a fused activation's rows quantised by
 `flash_catalog::quantize_rows_int8`. On the CPU: the policy, its refusal of a bad setting, the ops' torch paths and
-fakes, which traced linears take the quantiser op, and a compiled linear that still has no graph break."""
+fakes, which traced linears take the quantiser op, a compiled linear that still has no graph break, and fused kernel
+names short enough for inductor's static launcher."""
 
 import pytest
 import torch
@@ -147,6 +148,46 @@ def test_a_traced_feed_forward_activation_is_quantised_by_the_op_only_where_the_
             assert ("flash_catalog.quantize_rows_int8_fusable" in ops) == (activation is None), ops
             assert any("int8_matmul_prepared" in op for op in ops) == prepared, ops
     torch._dynamo.reset()
+
+
+TRITON_FILE_NAME = 150
+"""Triton stores a compiled kernel's binary under its name cut to this many characters; inductor's static launcher
+looks for it under the whole name, so a fused kernel named longer launches through Triton's slower Python path."""
+TRITON_FUSED_PREFIX = "triton_red_fused_"  # the longest of a GPU kernel's prefixes (poi, per and red: same length)
+
+
+def test_compiled_attached_flux_kernels_keep_names_that_triton_stores_whole(monkeypatch):
+    """Inductor names a fused kernel after every op in it, so the torch quantiser that fuses into a norm or a
+    modulation lengthens the host kernel's name by its ops. At the GEMM a GPU's graph holds (forced: on the CPU it
+    never does) a tiny Flux's fused kernels, named as a GPU would name them, stay within Triton's file-name limit
+    (with the quantiser's earlier ops, the single block's kernel over the concatenation read 154 characters)."""
+    pytest.importorskip("diffusers")
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    from flash_catalog import attach, detach
+    from flash_catalog.cli.tiny_hosts import build
+
+    monkeypatch.delenv(linear_ops.TRACED_INT8_ENV, raising=False)
+    monkeypatch.setattr(linear_ops, "_prepared_rows", lambda m, device: True)
+    host = build("flux")
+    model, inputs = host.model, host.inputs(2)
+    model.compile_repeated_blocks(fullgraph=True)
+    plan = attach(model, inputs, profile="int8_balance_sage", min_speedup=0)  # the attention opaque, as on a GPU
+    try:
+        torch._dynamo.reset()
+        # compiled afresh: the caches key dynamo's graph, where the quantiser is one op whatever its ops are
+        with torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True):
+            _, code = run_and_get_code(lambda: model(**inputs)[0])
+    finally:
+        detach(plan)
+        torch._dynamo.reset()
+    fused = {name for c in code for name in re.findall(r"\bcpp_fused_(\w+)", c)}
+    quantising = [name for name in fused if "amax" in name]  # the torch quantiser fused into the op before it
+    assert quantising, sorted(fused)
+    too_long = [TRITON_FUSED_PREFIX + name for name in fused if len(TRITON_FUSED_PREFIX + name) > TRITON_FILE_NAME]
+    assert not too_long, too_long
 
 
 def _sm90():

@@ -323,10 +323,12 @@ def _check_smooth(smooth: torch.Tensor | None, x: torch.Tensor) -> None:
 
 
 def _round_half_away(v: torch.Tensor) -> torch.Tensor:
-    """Round half away from zero (torch.round is half-to-even): truncate, step by one where the remainder >= 0.5."""
+    """Round half away from zero (torch.round is half-to-even): truncate, then step by `trunc(2r)` of the remainder r
+    (exact: r = v - trunc(v) and 2r are exact in floating point; trunc(2r) is 1 where r >= 0.5, -1 where r <= -0.5,
+    else 0). Written with few distinct ops: inductor names a fused kernel after every op in it, and a name over 150
+    characters launches through Triton's slower Python path (tools/static_launches.py)."""
     t = v.trunc()
-    r = v - t
-    return t + (r >= 0.5).to(v.dtype) - (r <= -0.5).to(v.dtype)
+    return t + ((v - t) * 2).trunc()
 
 
 @torch.no_grad()
@@ -339,11 +341,13 @@ def quantize_rows_int8_torch(x: torch.Tensor, smooth: torch.Tensor | None = None
     a = apply_activation(x, activation).float()
     a = a if smooth is None else a / smooth
     if a.shape[1]:
-        amax = a.abs().amax(dim=1, keepdim=True).clamp_min(AMAX_FLOOR)
+        amax = a.abs().amax(dim=1, keepdim=True).clamp(min=AMAX_FLOOR)
     else:
         amax = torch.full((a.shape[0], 1), AMAX_FLOOR, device=a.device)
-    # tensor-by-tensor divisions on purpose: torch divides by a scalar through its reciprocal
-    int8_max = torch.full_like(amax, INT8_MAX)
+    # tensor-by-tensor divisions on purpose: torch divides by a scalar through its reciprocal. The constant 127 is
+    # made with clamp, as the floor above, not full_like: compiled, these ops fuse into the kernel before them, which
+    # inductor names after every op in it (`_round_half_away` says why the name must stay short)
+    int8_max = amax.clamp(INT8_MAX, INT8_MAX)
     codes = _round_half_away(a * (int8_max / amax)).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     return codes, (amax / int8_max).contiguous()
 
