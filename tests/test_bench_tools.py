@@ -205,6 +205,18 @@ def test_the_static_launch_census_counts_kernels_and_ranks_the_others_by_reason_
     assert sl.tally([]).describe() == "0 kernels launch statically, 0 through Triton's own path"
 
 
+def test_the_census_names_a_kernel_name_too_long_for_triton_s_file_as_the_cause_of_a_missing_binary():
+    import static_launches as sl
+
+    missing = "CannotStaticallyLaunchKernel: Cubin path not found: /tmp/torchinductor_root/triton/0/HASH/triton_red"
+    long_name = "triton_red_fused_" + "x" * 140
+    assert sl.explained(long_name, missing) == ("name of 157 characters: Triton files the binary under the first "
+                                                "150, inductor looks for the whole name")
+    assert sl.explained("triton_red_fused_amax_0", missing) == missing  # a short name's missing file: as it came
+    assert sl.explained(long_name, "CannotStaticallyLaunchKernel: User defined triton kernel") == \
+        "CannotStaticallyLaunchKernel: User defined triton kernel"
+
+
 def test_the_census_asks_about_a_launchers_binary_from_its_compile_result_where_the_launcher_keeps_none():
     from types import SimpleNamespace
 

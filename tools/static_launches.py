@@ -68,6 +68,19 @@ def _why_not_static(autotuner: Any, binary: Any) -> str:
     return "accepted when asked again"
 
 
+TRITON_FILE_NAME = 150
+"""Triton (3.6) files a compiled kernel's binary under its name cut to this many characters; torch 2.11's static
+launcher looks for it under the whole name, so a longer name reads "Cubin path not found"."""
+
+
+def explained(name: str, why_not: str) -> str:
+    """`why_not`, or, where it is a missing binary of a kernel named past `TRITON_FILE_NAME`, that cause in words."""
+    if "Cubin path not found" in why_not and len(name) > TRITON_FILE_NAME:
+        return (f"name of {len(name)} characters: Triton files the binary under the first {TRITON_FILE_NAME}, "
+                f"inductor looks for the whole name")
+    return why_not
+
+
 def loaded_kernels() -> list[KernelLaunch]:
     """Every inductor kernel (a `CachingAutotuner`) alive in this process with its launchers made."""
     try:
@@ -91,7 +104,8 @@ def loaded_kernels() -> list[KernelLaunch]:
         name = getattr(getattr(obj, "fn", None), "__name__", type(obj).__name__)
         static = all(getattr(launcher, "_is_static", False) for launcher in launchers)
         binary = None if static else _binary(obj, launchers)
-        found.append(KernelLaunch(name, static, "" if binary is None else _why_not_static(obj, binary)))
+        why_not = "" if binary is None else explained(name, _why_not_static(obj, binary))
+        found.append(KernelLaunch(name, static, why_not))
     return found
 
 
