@@ -5,6 +5,8 @@ the exact reference's bits; with the prepared GEMM, a fused activation's rows qu
 fakes, which traced linears take the quantiser op, a compiled linear that still has no graph break, and fused kernel
 names short enough for inductor's static launcher."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -150,9 +152,6 @@ def test_a_traced_feed_forward_activation_is_quantised_by_the_op_only_where_the_
     torch._dynamo.reset()
 
 
-TRITON_FILE_NAME = 150
-"""Triton stores a compiled kernel's binary under its name cut to this many characters; inductor's static launcher
-looks for it under the whole name, so a fused kernel named longer launches through Triton's slower Python path."""
 TRITON_FUSED_PREFIX = "triton_red_fused_"  # the longest of a GPU kernel's prefixes (poi, per and red: same length)
 
 
@@ -168,6 +167,9 @@ def test_compiled_attached_flux_kernels_keep_names_that_triton_stores_whole(monk
 
     from flash_catalog import attach, detach
     from flash_catalog.cli.tiny_hosts import build
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "tools"))
+    from static_launches import TRITON_FILE_NAME  # the census's limit, where the cause is written down
 
     monkeypatch.delenv(linear_ops.TRACED_INT8_ENV, raising=False)
     monkeypatch.setattr(linear_ops, "_prepared_rows", lambda m, device: True)
