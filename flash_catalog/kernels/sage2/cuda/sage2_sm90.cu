@@ -52,6 +52,10 @@ constexpr float kMagicFloat = 12582912.0f;
 // fp16 P.V: a row's running max is raised only when a block's max exceeds it by more than this (log2 units), so P
 // stays below 448 * 2^7 = 57344 (fp16's largest finite value is 65504) and O's rescale is rarely needed
 constexpr float kLazyMaxLog2 = 7.0f;
+// D64 turns the integer scores into floats with I2F instead of the magic-number add: 4% faster there on an H100;
+// at D128 it was slower at long sequences (BENCHMARKS.md, forty-first session).
+template <int D>
+constexpr bool kScoresI2F = D == 64;
 
 // ------------------------------------------------------------------------------------------------------------------
 // PTX wrappers
@@ -287,8 +291,8 @@ struct SharedStorage {
 // `l` gets this thread's part of the row sums of the fp32 P (the quad's parts are added at the end); `alpha`
 // rescales the rows' earlier sums. The token: wait on `turn.mine` (fp16: before the maxima), signal `turn.next`
 // (fp16: after P's first two words); see the top of the file. MASKED: keys >= skv, and keys past the row when
-// causal, take no softmax mass.
-template <bool MASKED, bool CAUSAL, bool PV16>
+// causal, take no softmax mass. I2F: the scores become floats by I2F rather than by the magic-number add.
+template <bool MASKED, bool CAUSAL, bool PV16, bool I2F>
 __device__ __forceinline__ void softmax_block(int32_t (&s)[64], float c, float (&m)[2], float (&l)[2],
                                               float (&alpha)[2], uint32_t (&p)[PV16 ? 32 : 16], int col0, int r0,
                                               int skv, Turn turn) {
@@ -327,9 +331,14 @@ __device__ __forceinline__ void softmax_block(int32_t (&s)[64], float c, float (
     m[h] = m_new;
     shift[h] = none ? 0.0f : m_new - kLog2PScale;
   }
-  // x = score * c - shift in one FFMA on the magic-biased float: the bias's share, kMagicFloat * c, is folded into
-  // the offset, whose rounding (half an ulp of ~1.3e7 * c) shifts a whole row block's P and sum alike
-  float offset[2] = {fmaf(kMagicFloat, c, shift[0]), fmaf(kMagicFloat, c, shift[1])};
+  // x = score * c - shift in one FFMA on the score as a float (I2F) or on the magic-biased float: the bias's share,
+  // kMagicFloat * c, is then folded into the offset, whose rounding (half an ulp of ~1.3e7 * c) shifts a whole row
+  // block's P and sum alike
+  float offset[2] = {shift[0], shift[1]};
+  if constexpr (!I2F) {
+    offset[0] = fmaf(kMagicFloat, c, shift[0]);
+    offset[1] = fmaf(kMagicFloat, c, shift[1]);
+  }
   if constexpr (!PV16) {
     bar_sync_256(turn.mine);
     fence_regs(s);  // nothing of the exponentials is hoisted above the wait
@@ -341,7 +350,8 @@ __device__ __forceinline__ void softmax_block(int32_t (&s)[64], float c, float (
 #pragma unroll
     for (int b = 0; b < 2; ++b) {
       const int32_t v = s[4 * j + 2 * h + b];
-      const float x = (MASKED && v == INT_MIN) ? -INFINITY : fmaf(__int_as_float(v + kMagicInt), c, -offset[h]);
+      const float sv = I2F ? static_cast<float>(v) : __int_as_float(v + kMagicInt);
+      const float x = (MASKED && v == INT_MIN) ? -INFINITY : fmaf(sv, c, -offset[h]);
       e[b] = ex2(x);
     }
     sum[h] += e[0] + e[1];
@@ -516,9 +526,9 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
     const Turn turn{1 + cw, 1 + (cw + 1) % NC, !(cw == NC - 1 && jj == n_loc - 1), smem_u32(&sm.zero_f32),
                     smem_u32(&sm.int_min)};
     if (j < n_plain) {
-      softmax_block<false, CAUSAL, PV16>(s, c, m, l, alpha, p, j * kBlockN, r0, prm.skv, turn);
+      softmax_block<false, CAUSAL, PV16, kScoresI2F<D>>(s, c, m, l, alpha, p, j * kBlockN, r0, prm.skv, turn);
     } else {
-      softmax_block<true, CAUSAL, PV16>(s, c, m, l, alpha, p, j * kBlockN, r0, prm.skv, turn);
+      softmax_block<true, CAUSAL, PV16, kScoresI2F<D>>(s, c, m, l, alpha, p, j * kBlockN, r0, prm.skv, turn);
     }
     fence_regs(p);
     if constexpr (PV16) {
