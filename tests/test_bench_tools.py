@@ -2,7 +2,8 @@
 hosts' rows, the torchao peer recorded as skipped with its reason where it cannot run (no CUDA here, torchao a
 benchmark-only extra), the drift check's cosine and PSNR fields, TiRex-2's host timed again after detach. Eager rows
 only: a compiled row on the CPU costs a minute of inductor. tools/bench_gemm_gluon.py refuses a machine without an
-sm_90 GPU by name, and tools/bench_quant_rows.py one without CUDA."""
+sm_90 GPU by name, and tools/bench_quant_rows.py one without CUDA; tools/bench_sage_builds.py checks its arguments
+and finds the kernel's source at a git revision."""
 
 import json
 import math
@@ -270,3 +271,27 @@ def test_bench_quant_rows_names_what_it_needs_and_checks_its_cases(capsys):
     with pytest.raises(SystemExit):
         bench_quant_rows.main(["--cases", "64,128,none"])
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_bench_sage_builds_checks_its_arguments_and_reads_the_kernel_at_a_revision(tmp_path, capsys):
+    import bench_sage_builds
+
+    assert bench_sage_builds.parse_shapes("1x24x4608x128,2x24x4096x64") == [(1, 24, 4608, 128), (2, 24, 4096, 64)]
+    for bad, why in (("1x24x4608", "want BxHxSxD"), ("1x24x4608x96", "head_dim 64 or 128"), ("0x1x2x64", "positive")):
+        with pytest.raises(SystemExit):
+            bench_sage_builds.main(["--against", "HEAD", "--shapes", bad])
+        assert why in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_sage_builds.main(["--against", "HEAD", "--pv", "fp8,int8"])
+    assert "--pv int8: allowed fp8, fp16" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="no such file"):
+        bench_sage_builds.main(["--before-source", str(tmp_path / "missing.cu")])
+    if not (bench_model.torch.cuda.is_available() and bench_model.torch.cuda.get_device_capability() == (9, 0)):
+        with pytest.raises(SystemExit, match="runs on sm_90"):
+            bench_sage_builds.main(["--against", "HEAD"])
+    with pytest.raises(SystemExit, match="git has no flash_catalog/kernels/sage2/cuda/sage2_sm90.cu"):
+        bench_sage_builds.source_at("no-such-revision", tmp_path)
+    if not (bench_sage_builds.ROOT / ".git").exists():
+        return  # a tree copied without its history: --before-source is the way there
+    source = bench_sage_builds.source_at("HEAD", tmp_path)
+    assert source.parent == tmp_path and "int fc_sage2_sm90(" in source.read_text()

@@ -73,8 +73,8 @@ def bench(fn, warmup: int, rep: int) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
-def graphed_ms(fn, warmup: int, rep: int) -> float:
-    """Median ms of `fn` captured in a CUDA graph and replayed (warmed up on a side stream first, as capture needs)."""
+def captured(fn, calls: int = 1) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `calls` calls of `fn` (warmed up on a side stream first, as capture needs)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -83,7 +83,14 @@ def graphed_ms(fn, warmup: int, rep: int) -> float:
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        for _ in range(calls):
+            fn()
+    return graph
+
+
+def graphed_ms(fn, warmup: int, rep: int) -> float:
+    """Median ms of `fn` captured in a CUDA graph and replayed."""
+    graph = captured(fn)
     ms = bench(graph.replay, warmup, rep)
     del graph
     return ms

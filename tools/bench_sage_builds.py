@@ -1,0 +1,167 @@
+"""The sage2 CUDA kernel as it is against the same kernel at another git revision, side by side in one process.
+
+Both sources are built with nvcc (the old one from `git show REV:flash_catalog/kernels/sage2/cuda/sage2_sm90.cu`,
+or a file given by `--before-source`, e.g. where the tree was copied without its git history),
+run on one staging per shape (random bf16 Q, K with a per-channel mean, V; (B, H, S, D) contiguous), and timed as
+the kernel alone replayed from CUDA graphs of 10 calls, alternating the two builds over `--rounds` rounds (median),
+with cuDNN's SDPA graphed beside them. Accuracy: cosine and relative L2 error against an fp32 SDPA reference, and
+the two builds' relative L2 distance. A kernel change is judged by this, not by two runs of `bench_sage.py`.
+
+    python tools/bench_sage_builds.py --against REV | --before-source FILE [--shapes 1x24x4608x128,...]
+                                      [--pv fp8,fp16] [--rounds N] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+
+from bench_sage import captured  # noqa: E402
+
+from flash_catalog.kernels.cuda_build import CudaBuild, load_library  # noqa: E402
+from flash_catalog.kernels.sage2 import cuda_kernel  # noqa: E402
+from flash_catalog.kernels.sage2.quant import quantize_qkv  # noqa: E402
+
+DEFAULT_SHAPES = "1x24x4608x128,2x24x4096x64,1x38x4429x64,1x40x16384x128"
+GRAPH_CALLS = 10
+
+
+def parse_shapes(text: str) -> list[tuple[int, int, int, int]]:
+    shapes = []
+    for item in text.split(","):
+        parts = item.lower().split("x")
+        if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise argparse.ArgumentTypeError(f"shape {item!r}: want BxHxSxD with positive integers, e.g. 1x24x4608x128")
+        if int(parts[3]) not in (64, 128):
+            raise argparse.ArgumentTypeError(f"shape {item!r}: the CUDA kernel serves head_dim 64 or 128")
+        shapes.append(tuple(int(p) for p in parts))
+    return shapes
+
+
+def parse_pv(text: str) -> list[str]:
+    modes = text.split(",")
+    bad = [m for m in modes if m not in ("fp8", "fp16")]
+    if bad:
+        raise argparse.ArgumentTypeError(f"--pv {','.join(bad)}: allowed fp8, fp16")
+    return modes
+
+
+def source_at(rev: str, folder: Path) -> Path:
+    """The kernel's source at git revision `rev`, written into `folder`; SystemExit naming `rev` when git has none."""
+    relative = cuda_kernel.SOURCE.relative_to(ROOT).as_posix()
+    shown = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{relative}"], capture_output=True, text=True)
+    if shown.returncode != 0:
+        raise SystemExit(f"--against {rev}: git has no {relative} there ({shown.stderr.strip()})")
+    path = folder / cuda_kernel.SOURCE.name
+    path.write_text(shown.stdout)
+    return path
+
+
+def built(source: Path, what: str) -> CudaBuild:
+    result = load_library(source)
+    if result.library is None:
+        raise SystemExit(f"the {what} kernel did not build: {result.detail}\n{result.nvcc_output}")
+    return result
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / GRAPH_CALLS
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def compare(shape: tuple[int, int, int, int], pv: str, builds: dict[str, CudaBuild], rounds: int) -> dict:
+    torch.manual_seed(0)
+    b, h, s, d = shape
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    k = k + 0.5 * torch.randn(1, h, 1, d, device="cuda", dtype=torch.bfloat16)  # keys share a mean, as real ones do
+    exact = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    staged = quantize_qkv(q, k, v, pv=pv, block_m=cuda_kernel.STAGING_TILES[0], block_n=cuda_kernel.STAGING_TILES[1],
+                          **cuda_kernel.staging_options(pv))
+    outputs, graphs = {}, {}
+    kernel_build = cuda_kernel.build
+    try:
+        for name, build in builds.items():
+            cuda_kernel.build = lambda build=build: build  # kernel_launch asks build() for the library
+            run = lambda: cuda_kernel.sage2_cuda_staged(staged, out_dtype=q.dtype)  # noqa: E731
+            outputs[name] = run().float()
+            graphs[name] = captured(run, GRAPH_CALLS)
+    finally:
+        cuda_kernel.build = kernel_build
+    graphs["cudnn"] = captured(lambda: F.scaled_dot_product_attention(q, k, v), GRAPH_CALLS)
+    times: dict[str, list[float]] = {name: [] for name in graphs}
+    for r in range(rounds):
+        for name in (list(graphs) if r % 2 == 0 else list(reversed(graphs))):
+            times[name].append(replay_ms(graphs[name]))
+    ms = {name: statistics.median(t) for name, t in times.items()}
+    flops = 4 * b * h * s * s * d
+    row = {"shape": "x".join(map(str, shape)), "pv": pv, "cudnn_ms": round(ms["cudnn"], 4),
+           "speedup_vs_before": round(ms["before"] / ms["now"], 4),
+           "distance_now_before": round(rel_l2(outputs["now"], outputs["before"]), 5)}
+    for name in builds:
+        row[f"{name}_ms"] = round(ms[name], 4)
+        row[f"{name}_tops"] = round(flops / ms[name] / 1e9, 1)
+        row[f"{name}_vs_cudnn"] = round(ms["cudnn"] / ms[name], 4)
+        row[f"{name}_cos"] = round(float(F.cosine_similarity(outputs[name].flatten(), exact.flatten(), dim=0)), 6)
+        row[f"{name}_rel_l2"] = round(rel_l2(outputs[name], exact), 5)
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    before = ap.add_mutually_exclusive_group(required=True)
+    before.add_argument("--against", metavar="REV", help="git revision whose kernel source is 'before'")
+    before.add_argument("--before-source", type=Path, metavar="FILE", help="the 'before' kernel source itself")
+    ap.add_argument("--shapes", type=parse_shapes, default=parse_shapes(DEFAULT_SHAPES),
+                    help=f"BxHxSxD,... (default {DEFAULT_SHAPES})")
+    ap.add_argument("--pv", type=parse_pv, default=["fp8"], help="P.V modes, comma-separated: fp8, fp16 (default fp8)")
+    ap.add_argument("--rounds", type=int, default=12, help="alternating rounds of graph replays (median)")
+    ap.add_argument("--json", type=Path, help="write the rows and the environment here")
+    args = ap.parse_args(argv)
+    if args.before_source is not None and not args.before_source.is_file():
+        raise SystemExit(f"--before-source {args.before_source}: no such file")
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds {args.rounds}: want at least 1")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        raise SystemExit("the sage2 CUDA kernel runs on sm_90 (H100/H200); this machine has no such GPU")
+    with tempfile.TemporaryDirectory() as folder:
+        builds = {"now": built(cuda_kernel.SOURCE, "current"),
+                  "before": built(args.before_source or source_at(args.against, Path(folder)),
+                                  str(args.before_source or args.against))}
+        rows = []
+        for shape in args.shapes:
+            for pv in args.pv:
+                rows.append(compare(shape, pv, builds, args.rounds))
+                r = rows[-1]
+                print(f"{r['shape']:>16} {pv:>4}  before {r['before_ms']:.4f} ms ({r['before_vs_cudnn']:.3f}x cuDNN)  "
+                      f"now {r['now_ms']:.4f} ms ({r['now_vs_cudnn']:.3f}x, {r['now_tops']} TOPS)  "
+                      f"now/before {r['speedup_vs_before']:.3f}x  rel-L2 {r['before_rel_l2']} -> {r['now_rel_l2']}",
+                      flush=True)
+    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
+           "before": str(args.before_source or args.against), "rounds": args.rounds}
+    if args.json:
+        args.json.write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
