@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> None:
     before.add_argument("--against", metavar="REV", help="git revision whose kernel source is 'before'")
     before.add_argument("--before-source", type=Path, metavar="FILE", help="the 'before' kernel source itself")
     ap.add_argument("--shapes", type=parse_shapes, default=parse_shapes(DEFAULT_SHAPES),
-                    help=f"BxHxSxD,... (default {DEFAULT_SHAPES})")
+                    help=f"BxHxSxD,... (default {DEFAULT_SHAPES}: FLUX.1-dev's attention, B2 D64, SD3.5 "
+                         "Large's, a long sequence)")
     ap.add_argument("--pv", type=parse_pv, default=["fp8"], help="P.V modes, comma-separated: fp8, fp16 (default fp8)")
     ap.add_argument("--rounds", type=int, default=12, help="alternating rounds of graph replays (median)")
     ap.add_argument("--json", type=Path, help="write the rows and the environment here")
