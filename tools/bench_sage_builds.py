@@ -62,7 +62,11 @@ def parse_pv(text: str) -> list[str]:
 def source_at(rev: str, folder: Path) -> Path:
     """The kernel's source at git revision `rev`, written into `folder`; SystemExit naming `rev` when git has none."""
     relative = cuda_kernel.SOURCE.relative_to(ROOT).as_posix()
-    shown = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{relative}"], capture_output=True, text=True)
+    try:
+        shown = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{relative}"], capture_output=True, text=True)
+    except FileNotFoundError:
+        raise SystemExit(f"--against {rev}: git is not installed here; pass the old source with "
+                         "--before-source") from None
     if shown.returncode != 0:
         raise SystemExit(f"--against {rev}: git has no {relative} there ({shown.stderr.strip()})")
     path = folder / cuda_kernel.SOURCE.name

@@ -52,8 +52,8 @@ constexpr float kMagicFloat = 12582912.0f;
 // fp16 P.V: a row's running max is raised only when a block's max exceeds it by more than this (log2 units), so P
 // stays below 448 * 2^7 = 57344 (fp16's largest finite value is 65504) and O's rescale is rarely needed
 constexpr float kLazyMaxLog2 = 7.0f;
-// D64 turns the integer scores into floats with I2F instead of the magic-number add: 4% faster there on an H100;
-// at D128 it was slower at long sequences (BENCHMARKS.md, forty-first session).
+// D64 turns the integer scores into floats with I2F instead of the magic-number add: faster there on an H100, not
+// at D128's long sequences (BENCHMARKS.md, forty-first session).
 template <int D>
 constexpr bool kScoresI2F = D == 64;
 
