@@ -52,12 +52,13 @@ GLUON_STAGES = [4, 3, 2]
 
 
 def parse_shapes(text: str) -> list[tuple[int, int, int, int]]:
+    """`--shapes`: BxHxSxD,... of positive integers (an argparse type: a bad item is a usage error naming it)."""
     shapes = []
     for item in text.split(","):
-        parts = [int(x) for x in item.lower().split("x")]
-        if len(parts) != 4:
-            raise SystemExit(f"--shapes item {item!r}: want BxHxSxD")
-        shapes.append(tuple(parts))
+        parts = item.lower().split("x")
+        if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise argparse.ArgumentTypeError(f"shape {item!r}: want BxHxSxD with positive integers, e.g. 1x24x4608x128")
+        shapes.append(tuple(int(p) for p in parts))
     return shapes
 
 

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from bench_sage import captured  # noqa: E402
+import bench_sage  # noqa: E402
 
 from flash_catalog.kernels.cuda_build import CudaBuild, load_library  # noqa: E402
 from flash_catalog.kernels.sage2 import cuda_kernel  # noqa: E402
@@ -40,14 +40,12 @@ GRAPH_CALLS = 10
 
 
 def parse_shapes(text: str) -> list[tuple[int, int, int, int]]:
-    shapes = []
-    for item in text.split(","):
-        parts = item.lower().split("x")
-        if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
-            raise argparse.ArgumentTypeError(f"shape {item!r}: want BxHxSxD with positive integers, e.g. 1x24x4608x128")
-        if int(parts[3]) not in (64, 128):
-            raise argparse.ArgumentTypeError(f"shape {item!r}: the CUDA kernel serves head_dim 64 or 128")
-        shapes.append(tuple(int(p) for p in parts))
+    """`bench_sage.parse_shapes`, with the head dims the CUDA kernel serves."""
+    shapes = bench_sage.parse_shapes(text)
+    for shape in shapes:
+        if shape[3] not in (64, 128):
+            raise argparse.ArgumentTypeError(f"shape {'x'.join(map(str, shape))!r}: the CUDA kernel serves head_dim "
+                                             "64 or 128")
     return shapes
 
 
@@ -90,10 +88,6 @@ def replay_ms(graph: torch.cuda.CUDAGraph) -> float:
     return start.elapsed_time(end) / GRAPH_CALLS
 
 
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
-
-
 def compare(shape: tuple[int, int, int, int], pv: str, builds: dict[str, CudaBuild], rounds: int) -> dict:
     torch.manual_seed(0)
     b, h, s, d = shape
@@ -109,10 +103,10 @@ def compare(shape: tuple[int, int, int, int], pv: str, builds: dict[str, CudaBui
             cuda_kernel.build = lambda build=build: build  # kernel_launch asks build() for the library
             run = lambda: cuda_kernel.sage2_cuda_staged(staged, out_dtype=q.dtype)  # noqa: E731
             outputs[name] = run().float()
-            graphs[name] = captured(run, GRAPH_CALLS)
+            graphs[name] = bench_sage.captured(run, GRAPH_CALLS)
     finally:
         cuda_kernel.build = kernel_build
-    graphs["cudnn"] = captured(lambda: F.scaled_dot_product_attention(q, k, v), GRAPH_CALLS)
+    graphs["cudnn"] = bench_sage.captured(lambda: F.scaled_dot_product_attention(q, k, v), GRAPH_CALLS)
     times: dict[str, list[float]] = {name: [] for name in graphs}
     for r in range(rounds):
         for name in (list(graphs) if r % 2 == 0 else list(reversed(graphs))):
@@ -121,13 +115,14 @@ def compare(shape: tuple[int, int, int, int], pv: str, builds: dict[str, CudaBui
     flops = 4 * b * h * s * s * d
     row = {"shape": "x".join(map(str, shape)), "pv": pv, "cudnn_ms": round(ms["cudnn"], 4),
            "speedup_vs_before": round(ms["before"] / ms["now"], 4),
-           "distance_now_before": round(rel_l2(outputs["now"], outputs["before"]), 5)}
+           "distance_now_before": round(bench_sage.accuracy(outputs["now"], outputs["before"])["rel_l2"], 5)}
     for name in builds:
         row[f"{name}_ms"] = round(ms[name], 4)
         row[f"{name}_tops"] = round(flops / ms[name] / 1e9, 1)
         row[f"{name}_vs_cudnn"] = round(ms["cudnn"] / ms[name], 4)
-        row[f"{name}_cos"] = round(float(F.cosine_similarity(outputs[name].flatten(), exact.flatten(), dim=0)), 6)
-        row[f"{name}_rel_l2"] = round(rel_l2(outputs[name], exact), 5)
+        against_exact = bench_sage.accuracy(outputs[name], exact)
+        row[f"{name}_cos"] = round(against_exact["cos"], 6)
+        row[f"{name}_rel_l2"] = round(against_exact["rel_l2"], 5)
     return row
 
 
@@ -149,10 +144,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--rounds {args.rounds}: want at least 1")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         raise SystemExit("the sage2 CUDA kernel runs on sm_90 (H100/H200); this machine has no such GPU")
+    before_name = str(args.before_source or args.against)
     with tempfile.TemporaryDirectory() as folder:
         builds = {"now": built(cuda_kernel.SOURCE, "current"),
-                  "before": built(args.before_source or source_at(args.against, Path(folder)),
-                                  str(args.before_source or args.against))}
+                  "before": built(args.before_source or source_at(args.against, Path(folder)), before_name)}
         rows = []
         for shape in args.shapes:
             for pv in args.pv:
@@ -163,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
                       f"now/before {r['speedup_vs_before']:.3f}x  rel-L2 {r['before_rel_l2']} -> {r['now_rel_l2']}",
                       flush=True)
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
-           "before": str(args.before_source or args.against), "rounds": args.rounds}
+           "before": before_name, "rounds": args.rounds}
     if args.json:
         args.json.write_text(json.dumps({"env": env, "rows": rows}, indent=1))
 
