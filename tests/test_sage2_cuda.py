@@ -141,20 +141,27 @@ def test_the_source_compiles_for_sm90a_with_the_nvcc_found_here(tmp_path, monkey
         # the host-side checks run before any CUDA call: the typed launcher reaches them and reports the reason
         launch = sage2_cuda.launcher(built.library)
         shapes = (1, 2, 2, 64, 64, 128, 128)  # batch, hq, hkv, sq, sq_pad, skv, skv_pad
+        no_q = (None, 0, 0, 0, 0, 0.0)  # q_raw, its strides, q_bf16, q_scale_mult: Q staged
         with pytest.raises(RuntimeError, match=r"refused the launch: head_dim must be 64 or 128$"):
-            launch(0, 0, 0, 0, 0, 0, 0, 0, 1, *shapes, 96, 0, 0, 0, 0, 0, 2, 1, 0, 0, 0)
+            launch(0, 0, 0, 0, 0, 0, 0, 0, 1, *shapes, 96, 0, 0, 0, 0, 0, 2, 1, 0, 0, 0, *no_q)
         with pytest.raises(RuntimeError, match=r"query heads must be a multiple of key/value heads$"):
-            launch(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 3, 2, 64, 64, 128, 128, 128, 0, 0, 0, 0, 0, 3, 1, 0, 0, 0)
+            launch(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 3, 2, 64, 64, 128, 128, 128, 0, 0, 0, 0, 0, 3, 1, 0, 0, 0, *no_q)
         # V's scales go with FP8 P.V (pv_fp16 = 0) and only with it
         with pytest.raises(RuntimeError, match=r"v_scale is for FP8 P.V only: pass it exactly then$"):
-            launch(0, 0, 0, 0, 0, 0, 0, 0, 1, *shapes, 128, 0, 0, 0, 0, 0, 2, 1, 0, 0, 0)
+            launch(0, 0, 0, 0, 0, 0, 0, 0, 1, *shapes, 128, 0, 0, 0, 0, 0, 2, 1, 0, 0, 0, *no_q)
         with pytest.raises(RuntimeError, match=r"v_scale is for FP8 P.V only: pass it exactly then$"):
-            launch(0, 0, 0, 0, 0, 8, 0, 0, 1, *shapes, 128, 0, 0, 0, 0, 1, 2, 1, 0, 0, 0)
+            launch(0, 0, 0, 0, 0, 8, 0, 0, 1, *shapes, 128, 0, 0, 0, 0, 1, 2, 1, 0, 0, 0, *no_q)
         # the work split: its parts need scratch, and causal tiles are never split
         with pytest.raises(RuntimeError, match=r"the work split is invalid \(0 <= n_full <= tiles; for the rest"):
-            launch(0, 0, 0, 0, 0, 8, 0, 0, 1, *shapes, 128, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0)
+            launch(0, 0, 0, 0, 0, 8, 0, 0, 1, *shapes, 128, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, *no_q)
         with pytest.raises(RuntimeError, match=r"the work split is invalid"):
-            launch(0, 0, 0, 0, 0, 8, 0, 0, 1, *shapes, 128, 0, 0, 0, 1, 0, 0, 2, 8, 8, 0)
+            launch(0, 0, 0, 0, 0, 8, 0, 0, 1, *shapes, 128, 0, 0, 0, 1, 0, 0, 2, 8, 8, 0, *no_q)
+        # Q: staged (q8 and q_scale) or handed over whole, in 16-byte rows
+        with pytest.raises(RuntimeError, match=r"pass q8 and q_scale, or q_raw$"):
+            launch(0, 0, 0, 0, 0, 8, 0, 0, 1, *shapes, 128, 0, 0, 0, 0, 0, 2, 1, 0, 0, 0, *no_q)
+        with pytest.raises(RuntimeError, match=r"q_raw: its pointer and its strides in bytes must be multiples of 16$"):
+            launch(0, 0, 0, 0, 0, 8, 0, 0, 1, *shapes, 128, 0, 0, 0, 0, 0, 2, 1, 0, 0, 0, 64, 8192, 4100, 128, 1,
+                   0.1)
     finally:
         forget_builds()
 
@@ -425,3 +432,37 @@ def test_a_pooled_call_is_prepared_once_per_layout_and_gives_a_fresh_call_s_bits
     with pytest.raises(ValueError, match=r"scale is \[1.0\]"):
         sage2_cuda.sage2_cuda_attention(q, k, v, pv=pv, staging=pool, scale=[1.0])
     assert len(pool._prepared) == 4
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("pv", ["fp8", "fp16"])
+@pytest.mark.parametrize("b,hq,hkv,sq,skv,d,causal,dtype,layout", [
+    (1, 24, 24, 4608, 4608, 128, False, torch.bfloat16, "bshd"), (2, 6, 2, 333, 1500, 64, False, torch.float16, "bhsd"),
+    (1, 4, 2, 700, 700, 128, True, torch.bfloat16, "bhsd"), (1, 38, 38, 4429, 4429, 64, False, torch.bfloat16, "bshd"),
+    (1, 2, 1, 1, 129, 128, False, torch.float16, "bshd")])
+def test_q_quantised_in_the_kernel_gives_the_staged_qs_bits(b, hq, hkv, sq, skv, d, causal, dtype, layout, pv):
+    """The kernel's own quantisation of Q (one scale per 64 rows, codes rounded half away from zero) is the
+    staging's: the output and log-sum-exp equal those of the path that stages Q first, bit for bit, in either
+    storage and dtype; such a call's staging holds no Q. A query whose strides are not 16-byte multiples is staged."""
+    from flash_catalog.kernels.staging import StagingPool
+
+    g = torch.Generator(device="cuda").manual_seed(sq + skv + d)
+    shape = (b, sq, hq, d) if layout == "bshd" else (b, hq, sq, d)
+    q = torch.randn(*shape, device="cuda", dtype=dtype, generator=g) * 3
+    q = q.transpose(1, 2) if layout == "bshd" else q
+    k = torch.randn(b, hkv, skv, d, device="cuda", dtype=dtype, generator=g) + 0.5
+    v = torch.randn(b, hkv, skv, d, device="cuda", dtype=dtype, generator=g)
+    assert sage2_cuda.q_in_kernel_serves(q)
+    pool = StagingPool()
+    out, lse = sage2_cuda.sage2_cuda_attention(q, k, v, pv=pv, is_causal=causal, return_lse=True, staging=pool)
+    assert not any(key.name in ("q8", "q_scale") for key in pool.keys())
+    assert not any(key.name in ("q8", "q_scale") for key in sage2_cuda.staging_keys(q, k, pv, causal))
+    staged_out, staged_lse = sage2_cuda.sage2_cuda_attention(q, k, v, pv=pv, is_causal=causal, return_lse=True,
+                                                             q_in_kernel=False)
+    assert torch.equal(out, staged_out) and torch.equal(lse, staged_lse)
+    odd = torch.empty(b, hq, sq, d + 4, device="cuda", dtype=dtype)[..., 2:2 + d]  # rows 4 bytes off 16
+    odd.copy_(q)
+    assert not sage2_cuda.q_in_kernel_serves(odd)
+    assert any(key.name == "q8" for key in sage2_cuda.staging_keys(odd, k, pv, causal))
+    assert torch.equal(sage2_cuda.sage2_cuda_attention(odd, k, v, pv=pv, is_causal=causal), out)

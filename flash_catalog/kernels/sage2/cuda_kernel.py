@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from ..cuda_build import CudaBuild, arch_refusal, load_library
-from .quant import (Sage2Staged, StagingPlan, add_key_mean, empty_result, refuse_grad, staging_keys_of,
+from .quant import (LOG2E, Sage2Staged, StagingPlan, add_key_mean, empty_result, refuse_grad, staging_keys_of,
                     staging_plan, validate_inputs)
 from ..staging import StagingKey, StagingPool
 
@@ -128,9 +128,20 @@ def _split_scratch(plan: SplitPlan, d: int, device: torch.device,
             pool.get("split_lse", (plan.part_rows,), torch.float32, device, "cuda"))
 
 
-def staging_keys(q: torch.Tensor, k: torch.Tensor, pv: str, is_causal: bool = False) -> tuple[StagingKey, ...]:
-    """The pool keys a `sage2_cuda_attention(q, k, v, pv=pv, is_causal=is_causal, staging=pool)` call draws."""
-    keys = staging_keys_of(q, k, pv=pv, block_m=STAGING_TILES[0], block_n=STAGING_TILES[1], v_fp16=pv == "fp16")
+def q_in_kernel_serves(q: torch.Tensor) -> bool:
+    """Whether the kernel can quantise `q` itself (`QInKernel`): unit stride along D, and a pointer and strides whose
+    bytes are multiples of 16 (the kernel reads rows in 16-byte pieces). Else Q is staged."""
+    size = q.element_size()
+    return q.dim() == 4 and q.stride(-1) == 1 and q.data_ptr() % 16 == 0 and all(
+        (st * size) % 16 == 0 for st in q.stride()[:3])
+
+
+def staging_keys(q: torch.Tensor, k: torch.Tensor, pv: str, is_causal: bool = False,
+                 q_in_kernel: bool = True) -> tuple[StagingKey, ...]:
+    """The pool keys a `sage2_cuda_attention(q, k, v, pv=pv, is_causal=is_causal, staging=pool,
+    q_in_kernel=q_in_kernel)` call draws."""
+    keys = staging_keys_of(q, k, pv=pv, block_m=STAGING_TILES[0], block_n=STAGING_TILES[1], v_fp16=pv == "fp16",
+                           stage_q=not (q_in_kernel and q_in_kernel_serves(q)))
     plan = plan_for(tuple(q.shape), k.shape[2], is_causal, q.device)
     if not plan.splits:
         return keys
@@ -158,7 +169,8 @@ def launcher(lib: ctypes.CDLL) -> Launcher:
     """The typed launcher of a loaded kernel library (`build().library`; one per library)."""
     launch, error = lib.fc_sage2_sm90, lib.fc_sage2_sm90_error
     p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
-    launch.argtypes = [p, p, p, p, p, p, p, p, i, i, i, i, i, i, i, i, i, ll, ll, ll, i, i, i, i, p, p, p]
+    launch.argtypes = [p, p, p, p, p, p, p, p, i, i, i, i, i, i, i, i, i, ll, ll, ll, i, i, i, i, p, p, p,
+                       p, ll, ll, ll, i, ctypes.c_float]
     launch.restype = i
     error.argtypes = []
     error.restype = ctypes.c_char_p
@@ -195,21 +207,43 @@ def _check_staging(staged: Sage2Staged) -> None:
 
 
 @dataclass(frozen=True)
+class QInKernel:
+    """Q handed to the kernel as it is, for it to quantise (`q_in_kernel_serves`): Q's shape, element strides
+    (batch, head, sequence), dtype, and the softmax scale * log2(e) folded into its tiles' scales."""
+
+    shape: tuple[int, int, int, int]
+    strides: tuple[int, int, int]
+    bf16: bool
+    scale_mult: float
+
+    @classmethod
+    def of(cls, q: torch.Tensor, sm_scale: float) -> QInKernel:
+        b, h, s, d = (int(n) for n in q.shape)
+        return cls((b, h, s, d), tuple(int(st) for st in q.stride()[:3]), q.dtype == torch.bfloat16,
+                   float(sm_scale) * LOG2E)
+
+
+@dataclass(frozen=True)
 class KernelLaunch:
-    """The kernel's launch for one staging and output layout, but for the output's and log-sum-exp's pointers and
-    the stream: the arguments of `fc_sage2_sm90` before them (`head`) and after (`tail`), and the tensors they
-    point into (`holds`: the split's scratch, which nothing else may keep alive)."""
+    """The kernel's launch for one staging and output layout, but for the output's, log-sum-exp's and (with
+    `q_in_kernel`) Q's pointers and the stream: the arguments of `fc_sage2_sm90` before the output (`head`), between
+    the log-sum-exp and the stream (`tail`) and after Q's pointer (`q_tail`), and the tensors they point into
+    (`holds`: the split's scratch, which nothing else may keep alive)."""
 
     launcher: Launcher
     device: torch.device
     head: tuple[int | None, ...]
     tail: tuple[int | None, ...]
+    q_tail: tuple[int | float, ...]
+    q_in_kernel: bool
     holds: tuple[torch.Tensor, ...]
 
-    def __call__(self, out: torch.Tensor, lse: torch.Tensor | None) -> None:
-        """Launch on the current device, which must be the tensors' (`on_device`)."""
+    def __call__(self, out: torch.Tensor, lse: torch.Tensor | None, q: torch.Tensor | None = None) -> None:
+        """Launch on the current device, which must be the tensors' (`on_device`); `q`: the call's Q, where the
+        kernel quantises it (`q_in_kernel`), else unused."""
         self.launcher(*self.head, out.data_ptr(), lse.data_ptr() if lse is not None else None, *self.tail,
-                      torch._C._cuda_getCurrentRawStream(self.device.index))  # not a Stream object per call
+                      torch._C._cuda_getCurrentRawStream(self.device.index),  # not a Stream object per call
+                      q.data_ptr() if self.q_in_kernel else None, *self.q_tail)
 
 
 def on_device(device: torch.device) -> contextlib.AbstractContextManager[object]:
@@ -222,27 +256,36 @@ def on_device(device: torch.device) -> contextlib.AbstractContextManager[object]
 
 
 def kernel_launch(staged: Sage2Staged, out_dtype: torch.dtype, out_strides: tuple[int, ...], is_causal: bool,
-                  split: bool, staging: StagingPool | None) -> KernelLaunch:
+                  split: bool, staging: StagingPool | None, q_in_kernel: QInKernel | None = None) -> KernelLaunch:
     """The `KernelLaunch` of the kernel on `staged` (checked by `_check_staging`) writing a (B, Hq, Sq, D) output of
-    `out_strides`: its split plan, with the split's scratch from `staging` (or fresh)."""
+    `out_strides`: its split plan, with the split's scratch from `staging` (or fresh). With `q_in_kernel` the
+    staging holds no Q (`stage_q=False`) and the kernel quantises the Q passed at each launch."""
     built = build()
     if built.library is None:
         raise RuntimeError(f"the sage2 CUDA kernel is unavailable: {built.detail}")
-    bsz, hq, sq_pad, d = staged.q8.shape
+    if (staged.q8 is None) != (q_in_kernel is not None):
+        raise ValueError("the kernel reads staged Q (q8, q_scale) or quantises it itself (q_in_kernel): exactly one")
+    if q_in_kernel is not None:
+        bsz, hq, sq, d = q_in_kernel.shape
+        sq_pad = math.ceil(max(sq, 1) / STAGING_TILES[0]) * STAGING_TILES[0]
+    else:
+        bsz, hq, sq_pad, d = staged.q8.shape
     hkv, skv_pad = staged.k8.shape[1], staged.k8.shape[2]
-    device = staged.q8.device
+    device = staged.k8.device
     plan = plan_for((bsz, hq, staged.seq_q, d), staged.seq_kv, is_causal, device)
     if not split or not plan.splits:
         plan = SplitPlan(plan.tiles, plan.tiles, 1)
     part_o, part_lse = _split_scratch(plan, d, device, staging) if plan.splits else (None, None)
     v_scale = staged.v_scale.data_ptr() if staged.v_scale is not None else None  # pv="fp8" always carries it
-    head = (staged.q8.data_ptr(), staged.k8.data_ptr(), staged.v.data_ptr(), staged.q_scale.data_ptr(),
-            staged.k_scale.data_ptr(), v_scale)
+    head = (staged.q8.data_ptr() if staged.q8 is not None else None, staged.k8.data_ptr(), staged.v.data_ptr(),
+            staged.q_scale.data_ptr() if staged.q_scale is not None else None, staged.k_scale.data_ptr(), v_scale)
     tail = (int(out_dtype == torch.bfloat16), bsz, hq, hkv, staged.seq_q, sq_pad, staged.seq_kv, skv_pad, d,
             *out_strides[:3], int(is_causal), int(staged.pv == "fp16"), plan.whole, plan.parts,
             part_o.data_ptr() if part_o is not None else None, part_lse.data_ptr() if part_lse is not None else None)
     holds = tuple(t for t in (part_o, part_lse) if t is not None)
-    return KernelLaunch(launcher(built.library), device, head, tail, holds)
+    q_tail = ((*q_in_kernel.strides, int(q_in_kernel.bf16), q_in_kernel.scale_mult) if q_in_kernel is not None
+              else (0, 0, 0, 0, 0.0))
+    return KernelLaunch(launcher(built.library), device, head, tail, q_tail, q_in_kernel is not None, holds)
 
 
 def sage2_cuda_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, is_causal: bool = False,
@@ -256,6 +299,9 @@ def sage2_cuda_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, is_causal:
     scratch from `staging`, or fresh); False runs every tile whole. `out_layout`: "bshd" returns a (B, S, H, D)-
     contiguous view (`new_output`)."""
     _check_staging(staged)
+    if staged.q8 is None:
+        raise ValueError("this staging holds no Q (quantize_qkv(..., stage_q=False)); stage Q, or call "
+                         "sage2_cuda_attention, which hands Q to the kernel to quantise")
     if out_dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"out_dtype is {out_dtype}; allowed: torch.float16, torch.bfloat16")
     built = build()
@@ -295,13 +341,14 @@ class CudaAttention:
         lse = torch.empty(self.out_shape[:-1], dtype=torch.float32, device=q.device) if self.return_lse else None
         with on_device(q.device):
             self.staging.launch(q, k, v)
-            self.launch(out, lse)
+            self.launch(out, lse, q)
         return out if lse is None else (out, add_key_mean(lse, q, self.staging.staged(v), self.sm_scale))
 
 
 def prepare_cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
                            pv: str = "fp8", is_causal: bool = False, staging: StagingPool | None = None,
-                           return_lse: bool = False, out_layout: str = "bhsd") -> CudaAttention:
+                           return_lse: bool = False, out_layout: str = "bhsd",
+                           q_in_kernel: bool = True) -> CudaAttention:
     """The `CudaAttention` of `sage2_cuda_attention(q, k, v, ...)` (the same arguments, checked here)."""
     validate_inputs(q, k, v, pv=pv, scale=scale, is_causal=is_causal)
     why = cuda_refusal(q, pv)
@@ -313,15 +360,16 @@ def prepare_cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     strides = new_output(out_shape, q.dtype, torch.device("meta"), out_layout).stride()  # checks out_layout too
     if q.shape[:-1].numel() == 0:
         return CudaAttention(None, None, out_shape, out_layout, return_lse, sm_scale)
+    raw_q = QInKernel.of(q, sm_scale) if q_in_kernel and q_in_kernel_serves(q) else None
     plan = staging_plan(q, k, v, sm_scale=sm_scale, pv=pv, block_m=STAGING_TILES[0], block_n=STAGING_TILES[1],
-                        validate=False, staging=staging, **staging_options(pv))
-    launch = kernel_launch(plan.staged(v), q.dtype, strides, is_causal, True, staging)
+                        validate=False, staging=staging, stage_q=raw_q is None, **staging_options(pv))
+    launch = kernel_launch(plan.staged(v), q.dtype, strides, is_causal, True, staging, raw_q)
     return CudaAttention(plan, launch, out_shape, out_layout, return_lse, sm_scale)
 
 
 def sage2_cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
                          pv: str = "fp8", is_causal: bool = False, staging: StagingPool | None = None,
-                         return_lse: bool = False, out_layout: str = "bhsd"
+                         return_lse: bool = False, out_layout: str = "bhsd", q_in_kernel: bool = True
                          ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """softmax(q k^T * scale) v for (B, H, S, D) fp16/bf16 CUDA tensors on sm_90, through the CUDA kernel; the
     arguments and guarantees of `sage2_attention` (pv="fp8" or "fp16"; forward only, inputs never written, a new
@@ -329,16 +377,17 @@ def sage2_cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
     log-sum-exp of the scaled scores, (B, H, Sq) float32, as ring attention merges partial results with. Raises
     ValueError naming the reason where `cuda_refusal` finds one. With `staging`, the call's checks and plan
     (`prepare_cuda_attention`) are made once per shapes, strides, dtypes, 16-byte alignments and options, and kept
-    by the pool."""
+    by the pool. `q_in_kernel`: the kernel quantises Q itself where it can (`q_in_kernel_serves`), which saves the
+    staging's pass over Q; False stages Q first (the same arithmetic, for comparison)."""
     refuse_grad("sage2_cuda_attention", q, k, v)
 
     def make() -> CudaAttention:
         return prepare_cuda_attention(q, k, v, scale=scale, pv=pv, is_causal=is_causal, staging=staging,
-                                      return_lse=return_lse, out_layout=out_layout)
+                                      return_lse=return_lse, out_layout=out_layout, q_in_kernel=q_in_kernel)
 
     if staging is None:
         return make()(q, k, v)
     key = ("sage2_cuda", *(part for t in (q, k, v)
                            for part in (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)),
-           scale, pv, is_causal, return_lse, out_layout)
+           scale, pv, is_causal, return_lse, out_layout, q_in_kernel)
     return staging.prepared(key, make, q.device)(q, k, v)

@@ -52,11 +52,13 @@ def _staging(key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch
 
 
 def staging_layout(q_shape: Sequence[int], k_shape: Sequence[int], *, pv: str, block_m: int,
-                   block_n: int, v_fp16: bool = False) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+                   block_n: int, v_fp16: bool = False,
+                   stage_q: bool = True) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """The staging buffers `quantize_qkv` uses for these shapes: name -> (shape, dtype), in allocation order.
 
     Padded to whole tiles of block_m query rows and block_n keys; pv="fp16" stages no V unless `v_fp16` (the
-    Gluon kernel's TMA loads need V as one dense, padded fp16 tensor)."""
+    Gluon kernel's TMA loads need V as one dense, padded fp16 tensor); no Q without `stage_q` (the CUDA kernel
+    quantises Q itself)."""
     bsz, hq, sq, d = (int(n) for n in q_shape)
     hkv, skv = int(k_shape[1]), int(k_shape[2])
     sq_pad = max(_cdiv(sq, block_m), 1) * block_m
@@ -70,8 +72,9 @@ def staging_layout(q_shape: Sequence[int], k_shape: Sequence[int], *, pv: str, b
     if pv == "fp8":
         layout["v_scale"] = ((bsz, hkv, d), f32)
         layout["v_inv"] = ((bsz, hkv, d), f32)
-    layout["q8"] = ((bsz, hq, sq_pad, d), torch.int8)
-    layout["q_scale"] = ((bsz, hq, sq_pad // block_m), f32)
+    if stage_q:
+        layout["q8"] = ((bsz, hq, sq_pad, d), torch.int8)
+        layout["q_scale"] = ((bsz, hq, sq_pad // block_m), f32)
     layout["k8"] = ((bsz, hkv, skv_pad, d), torch.int8)
     layout["k_scale"] = ((bsz, hkv, skv_pad // block_n), f32)
     if pv == "fp8":
@@ -82,10 +85,11 @@ def staging_layout(q_shape: Sequence[int], k_shape: Sequence[int], *, pv: str, b
 
 
 def staging_keys_of(q: torch.Tensor, k: torch.Tensor, *, pv: str, block_m: int, block_n: int,
-                    v_fp16: bool = False) -> tuple[StagingKey, ...]:
-    """The pool keys `quantize_qkv(q, k, v, pv=pv, block_m=block_m, block_n=block_n, v_fp16=v_fp16, staging=pool)`
-    draws (the layout's buffers on q's device, keyed by variant `pv`)."""
-    layout = staging_layout(q.shape, k.shape, pv=pv, block_m=block_m, block_n=block_n, v_fp16=v_fp16)
+                    v_fp16: bool = False, stage_q: bool = True) -> tuple[StagingKey, ...]:
+    """The pool keys `quantize_qkv(q, k, v, pv=pv, block_m=block_m, block_n=block_n, v_fp16=v_fp16,
+    stage_q=stage_q, staging=pool)` draws (the layout's buffers on q's device, keyed by variant `pv`)."""
+    layout = staging_layout(q.shape, k.shape, pv=pv, block_m=block_m, block_n=block_n, v_fp16=v_fp16,
+                            stage_q=stage_q)
     return tuple(StagingKey(name, shape, dtype, q.device, pv) for name, (shape, dtype) in layout.items())
 
 
@@ -166,8 +170,8 @@ def refuse_grad(name: str, *tensors: torch.Tensor) -> None:
 class Sage2Staged:
     """Quantised operands for one attention call (all staging buffers are zero-padded to whole blocks)."""
 
-    q8: torch.Tensor         # (B, Hq, Sq_pad, D) int8
-    q_scale: torch.Tensor    # (B, Hq, Sq_pad // block_m) fp32, includes softmax scale * log2(e)
+    q8: torch.Tensor | None  # (B, Hq, Sq_pad, D) int8; None where the CUDA kernel quantises Q itself
+    q_scale: torch.Tensor | None  # (B, Hq, Sq_pad // block_m) fp32, includes softmax scale * log2(e); None so too
     k8: torch.Tensor         # (B, Hkv, Skv_pad, D) int8 of K - mean_tokens(K)
     k_scale: torch.Tensor    # (B, Hkv, Skv_pad // block_n) fp32
     v: torch.Tensor          # pv="fp8": (B, Hkv, D, Skv_pad) e4m3 V^T; pv="fp16": the caller's V, untouched,
@@ -405,7 +409,7 @@ def _cdiv(a: int, b: int) -> int:
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
                  pv: str = "fp8", block_m: int = 128, block_n: int = 64, num_warps: int | None = None,
                  validate: bool = True, staging: StagingPool | None = None, v_fp16: bool = False,
-                 v_mma_order: bool = False) -> Sage2Staged:
+                 v_mma_order: bool = False, stage_q: bool = True) -> Sage2Staged:
     """Stage q, k, v for the SageAttention2 kernel: Q is read once, K twice (a stats pass, then quantise), V twice
     for pv="fp8" (stats, then quantise), once with `v_fp16` (copied in K's quantise pass), else not at all.
 
@@ -413,9 +417,11 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale:
     Q and K scales are per tile. With `staging`, the buffers (see `staging_layout`) are the pool's, keyed by
     variant `pv`: the result is valid only until the pool's next use, so consume it and drop it. `v_fp16`
     (pv="fp16"): stage V as a zero-padded fp16 copy (the Gluon kernel's layout) instead of passing it through.
-    `v_mma_order` (pv="fp8"): store V^T's tokens in the CUDA kernel's FP8 MMA order (permuted within every 32)."""
+    `v_mma_order` (pv="fp8"): store V^T's tokens in the CUDA kernel's FP8 MMA order (permuted within every 32).
+    `stage_q=False`: leave Q out (q8 and q_scale None), for the CUDA kernel that quantises it itself."""
     return staging_plan(q, k, v, sm_scale=sm_scale, pv=pv, block_m=block_m, block_n=block_n, num_warps=num_warps,
-                        validate=validate, staging=staging, v_fp16=v_fp16, v_mma_order=v_mma_order).run(q, k, v)
+                        validate=validate, staging=staging, v_fp16=v_fp16, v_mma_order=v_mma_order,
+                        stage_q=stage_q).run(q, k, v)
 
 
 @dataclass(frozen=True)
@@ -444,11 +450,13 @@ class StagingPlan:
     def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """The three launches alone, for a caller that needs no description of the staging (`run` gives one)."""
         # Three launches. 1) K's and V's chunk statistics (partial sums of K, partial max|V| per channel) and, in
-        #    the same launch, Q: per-tile INT8 with the softmax scale * log2(e) folded into the scale.
+        #    the same launch, Q (unless the CUDA kernel quantises it): per-tile INT8 with the softmax scale *
+        #    log2(e) folded into the scale.
         buf, with_v = self.buffers, self.pv == "fp8"
         ksum, k_mean, k8 = buf["k_sum_partial"], buf["k_mean"], buf["k8"]
         vmax = buf["v_amax_partial"] if with_v else ksum
-        self.stats(k, v, ksum, vmax, q, buf["q8"], buf["q_scale"])
+        q8, q_scale = (buf["q8"], buf["q_scale"]) if "q8" in buf else (k8, k_mean)  # no Q programs without them
+        self.stats(k, v, ksum, vmax, q, q8, q_scale)
         # 2) The per-head reduction of the partials (deterministic, no atomics): K's mean, V's scale and 1/scale.
         v_scale, v_inv = (buf["v_scale"], buf["v_inv"]) if with_v else (k_mean, k_mean)
         self.finalize(ksum, vmax, k_mean, v_scale, v_inv)
@@ -463,7 +471,7 @@ class StagingPlan:
         buf = self.buffers
         v_out, v_scale = ((buf["vt8"], buf["v_scale"]) if self.pv == "fp8" else
                           (buf["v16"], None) if self.v_fp16 else (v, None))
-        return Sage2Staged(q8=buf["q8"], q_scale=buf["q_scale"], k8=buf["k8"], k_scale=buf["k_scale"], v=v_out,
+        return Sage2Staged(q8=buf.get("q8"), q_scale=buf.get("q_scale"), k8=buf["k8"], k_scale=buf["k_scale"], v=v_out,
                            v_scale=v_scale, k_mean=buf["k_mean"], pv=self.pv, block_m=self.block_m,
                            block_n=self.block_n, seq_q=self.seq_q, seq_kv=self.seq_kv)
 
@@ -471,7 +479,7 @@ class StagingPlan:
 def staging_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
                  pv: str = "fp8", block_m: int = 128, block_n: int = 64, num_warps: int | None = None,
                  validate: bool = True, staging: StagingPool | None = None, v_fp16: bool = False,
-                 v_mma_order: bool = False) -> StagingPlan:
+                 v_mma_order: bool = False, stage_q: bool = True) -> StagingPlan:
     """The `StagingPlan` of `quantize_qkv(q, k, v, ...)` (the same arguments, checked here)."""
     if validate:
         validate_inputs(q, k, v, pv=pv, scale=sm_scale)
@@ -487,9 +495,10 @@ def staging_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale:
         raise ValueError(f"v_mma_order=True orders V^T for pv='fp8'; got pv={pv!r}")
     if v_fp16 and pv != "fp16":
         raise ValueError(f"v_fp16=True stages V for pv='fp16'; got pv={pv!r}")
-    layout = staging_layout(q.shape, k.shape, pv=pv, block_m=block_m, block_n=block_n, v_fp16=v_fp16)
+    layout = staging_layout(q.shape, k.shape, pv=pv, block_m=block_m, block_n=block_n, v_fp16=v_fp16,
+                            stage_q=stage_q)
     buf = {name: _staging(name, shape, dtype, dev, staging, pv) for name, (shape, dtype) in layout.items()}
-    sq_pad, skv_pad = buf["q8"].shape[2], buf["k8"].shape[2]
+    sq_pad, skv_pad = max(_cdiv(sq, block_m), 1) * block_m, buf["k8"].shape[2]
     n_qb, n_kb = sq_pad // block_m, skv_pad // block_n
     warps = num_warps if num_warps is not None else (8 if d == 128 else 4)
     exact = interpreter_active()
@@ -499,7 +508,7 @@ def staging_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale:
     return StagingPlan(
         buffers=buf,
         stats=RepeatLaunch(
-            _stats_and_q_kernel, (n_stats + n_qb * bsz * hq,),
+            _stats_and_q_kernel, (n_stats + (n_qb * bsz * hq if stage_q else 0),),
             (*k.stride(), *v.stride(), *q.stride(), hkv, skv, n_chunks, n_stats, hq, sq, sq_pad, n_qb,
              float(sm_scale) * LOG2E),
             dict(CHUNK=stats_chunk(skv, bsz * hkv), SUB=STATS_SUB, HEAD_DIM=d, WITH_V=with_v, BLOCK_M=block_m,

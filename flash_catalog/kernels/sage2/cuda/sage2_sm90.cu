@@ -269,6 +269,12 @@ struct Params {
   int n_mb, n_tiles, n_full, n_split;
   float* part_o;
   float* part_lse;
+  // Q quantised in the kernel (q_raw not null): the caller's fp16/bf16 Q, unit stride along D, strides in elements;
+  // each consumer warpgroup turns its 64 rows into INT8 with one scale, as the staging would, and q_scale is unused.
+  const void* q_raw;
+  long long stride_qb, stride_qh, stride_qs;
+  int q_bf16;
+  float q_scale_mult;  // softmax scale * log2(e), folded into the tile's scale
 };
 
 template <int D, int NC, int STAGES, bool PV16>
@@ -280,6 +286,7 @@ struct SharedStorage {
   uint64_t full[STAGES];
   uint64_t empty[STAGES];
   uint64_t q_full;
+  float q_amax[NC][4];  // Q quantised in the kernel: each consumer warp's max|q|
   float zero_f32;  // 0.0f and INT_MIN, read after the token's barriers (Turn)
   int int_min;
 };
@@ -419,6 +426,68 @@ __device__ __forceinline__ void pv16_block(float (&o)[D / 2], const uint32_t (&p
   }
 }
 
+// Q's 64 rows [row0, row0 + 64) of (b, h) as INT8 in `tile` (64 x D bytes, laid out and swizzled as the TMA load of
+// the staged Q lays it: rows of D bytes, 16-byte chunk c of a row at c ^ address bits 7.. (128B swizzle at D128,
+// 64B at D64)), with the staging's arithmetic: one scale for the tile, amax / 127 (max|q| at least 1e-30), codes
+// round(q * (127 / amax)) half away from zero, rows past sq zero. Called by all 128 threads of consumer warpgroup
+// `cw`, which it synchronises on named barrier 4 + cw; returns the tile's scale with q_scale_mult folded in.
+template <int D, int NC>
+__device__ __forceinline__ float quantize_q_tile(const Params& prm, int8_t* tile, float (&warp_amax)[4], int b, int h,
+                                                 int row0, int tid, int cw) {
+  constexpr int kChunks = D / 8;             // 16-byte chunks (8 values) per row
+  constexpr int kPer = 64 * kChunks / 128;   // chunks per thread
+  const char* base = static_cast<const char*>(prm.q_raw) +
+                     (static_cast<long long>(b) * prm.stride_qb + static_cast<long long>(h) * prm.stride_qh) * 2;
+  float x[kPer][8];
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int c = tid + 128 * i;
+    const int row = row0 + c / kChunks;
+    uint4 raw = make_uint4(0u, 0u, 0u, 0u);
+    if (row < prm.sq)
+      raw = __ldg(reinterpret_cast<const uint4*>(base + (static_cast<long long>(row) * prm.stride_qs +
+                                                         (c % kChunks) * 8) * 2));
+    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      float2 f;
+      if (prm.q_bf16) {
+        f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[w]));
+      } else {
+        f = __half22float2(*reinterpret_cast<const __half2*>(&words[w]));
+      }
+      x[i][2 * w] = f.x;
+      x[i][2 * w + 1] = f.y;
+      amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+    }
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+  if (tid % 32 == 0) warp_amax[tid / 32] = amax;
+  asm volatile("bar.sync %0, 128;" ::"r"(4 + cw) : "memory");
+  amax = fmaxf(fmaxf(fmaxf(warp_amax[0], warp_amax[1]), fmaxf(warp_amax[2], warp_amax[3])), 1e-30f);
+  const float inv = __fdiv_rn(127.0f, amax);
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int c = tid + 128 * i;
+    uint32_t packed[2] = {0u, 0u};
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const float y = __fmul_rn(x[i][e], inv);
+      const int code = __float2int_rz(__fadd_rn(y, y >= 0.0f ? 0.5f : -0.5f));
+      packed[e / 4] |= (static_cast<uint32_t>(code) & 0xFFu) << (8 * (e % 4));
+    }
+    const uint32_t off = static_cast<uint32_t>((c / kChunks) * D + (c % kChunks) * 8);
+    const uint32_t swizzled = off ^ (((off >> 7) & (D == 128 ? 7u : 3u)) << 4);
+    asm volatile("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(smem_u32(tile + swizzled)), "r"(packed[0]),
+                 "r"(packed[1]) : "memory");
+  }
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the writes, visible to the wgmma's reads
+  asm volatile("bar.sync %0, 128;" ::"r"(4 + cw) : "memory");
+  return __fmul_rn(__fdiv_rn(amax, 127.0f), prm.q_scale_mult);
+}
+
 template <int D, int NC, int STAGES, bool CAUSAL, bool PV16>
 __global__ void __launch_bounds__(128 * (NC + 1), 1)
     sage2_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
@@ -464,9 +533,11 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
   if (wg == 0) {  // producer: one thread issues every TMA load
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
     if (threadIdx.x == 0) {
-      mbar_expect_tx(&sm.q_full, kRows * D);
+      if (prm.q_raw == nullptr) {  // staged Q; else the consumers quantise it themselves
+        mbar_expect_tx(&sm.q_full, kRows * D);
 #pragma unroll
-      for (int i = 0; i < NC; ++i) tma_load_3d(sm.q + i * 64 * D, &tm_q, &sm.q_full, 0, m_base + 64 * i, bh);
+        for (int i = 0; i < NC; ++i) tma_load_3d(sm.q + i * 64 * D, &tm_q, &sm.q_full, 0, m_base + 64 * i, bh);
+      }
       for (int jj = 0; jj < n_loc; ++jj) {
         const int j = j0 + jj;
         const int slot = jj % STAGES;
@@ -491,7 +562,10 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
   const int tid = threadIdx.x % 128;
   const int lane = tid % 32;
   const int r0 = m_base + cw * 64 + (tid / 32) * 16 + lane / 4;
-  const float q_scale = prm.q_scale[static_cast<long long>(bh) * prm.n_qb + min(m_block * NC + cw, prm.n_qb - 1)];
+  const float q_scale =
+      prm.q_raw != nullptr
+          ? quantize_q_tile<D, NC>(prm, sm.q + cw * 64 * D, sm.q_amax[cw], b, h, m_base + cw * 64, tid, cw)
+          : prm.q_scale[static_cast<long long>(bh) * prm.n_qb + min(m_block * NC + cw, prm.n_qb - 1)];
   const float* k_scale = prm.k_scale + static_cast<long long>(bhk) * prm.n_kb;
   const uint64_t desc_q = smem_desc(sm.q + cw * 64 * D, D);
   // blocks [0, n_plain) need no mask: every key exists and, when causal, lies at or before this warpgroup's rows
@@ -507,7 +581,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
   float l[2] = {0.0f, 0.0f};
   float alpha[2];
 
-  mbar_wait(&sm.q_full, 0);
+  if (prm.q_raw == nullptr) mbar_wait(&sm.q_full, 0);
   // every consumer runs n_loc blocks, so the token's ring stays whole; the last consumer hands the first its first turn
   if (cw == NC - 1) bar_arrive_256(1);
   // Per key block: Q.K^T, the softmax, then FP8 P.V into a fresh fp32 block and O = O * alpha + block, or O *= alpha
@@ -753,12 +827,17 @@ const char* fc_sage2_sm90_error() { return g_error; }
 // scale * q . mean(K) back). n_full, n_split: the work split (see Params; n_full = the tile count and n_split = 1
 // for none; non-causal only), part_o ((tiles - n_full) * n_split, 192, D) and part_lse ((tiles - n_full) * n_split,
 // 192) float32 its scratch, null without a split; tiles = ceil(sq_pad / 192) * batch * hq.
+// q_raw, where not null, is the caller's Q itself ((B, Hq, sq, D) fp16 (q_bf16 = 0) or bf16 (1) with element
+// strides stride_qb, stride_qh, stride_qs and unit stride along D, 16-byte aligned rows): the kernel quantises it as
+// the staging would, with q_scale_mult (softmax scale * log2(e)) folded into the scales; q8 and q_scale are then
+// unused (null). These come last so that callers of builds without them keep their argument order.
 // Returns 0, or a nonzero code with fc_sage2_sm90_error() saying why.
 int fc_sage2_sm90(const void* q8, const void* k8, const void* v, const float* q_scale, const float* k_scale,
                   const float* v_scale, void* out, float* lse, int out_bf16, int batch, int hq, int hkv, int sq,
                   int sq_pad, int skv, int skv_pad, int head_dim, long long stride_ob, long long stride_oh,
                   long long stride_os, int causal, int pv_fp16, int n_full, int n_split, float* part_o,
-                  float* part_lse, void* stream) {
+                  float* part_lse, void* stream, const void* q_raw, long long stride_qb, long long stride_qh,
+                  long long stride_qs, int q_bf16, float q_scale_mult) {
   if (head_dim != 64 && head_dim != 128) return fail(1, "head_dim must be 64 or 128");
   if (hkv <= 0 || hq % hkv != 0) return fail(1, "query heads must be a multiple of key/value heads");
   if (sq <= 0 || skv <= 0 || sq_pad % 64 != 0 || skv_pad % kBlockN != 0 || sq_pad < sq || skv_pad < skv)
@@ -774,17 +853,22 @@ int fc_sage2_sm90(const void* q8, const void* k8, const void* v, const float* q_
       part_o == nullptr || part_lse == nullptr)) || n_full + (n_tiles - n_full) * n_split > INT_MAX)
     return fail(1, "the work split is invalid (0 <= n_full <= tiles; for the rest 2 <= n_split <= key blocks, "
                    "non-causal, with part_o and part_lse)");
+  if (q_raw != nullptr && ((reinterpret_cast<uintptr_t>(q_raw) | uintptr_t(stride_qb * 2) |
+                            uintptr_t(stride_qh * 2) | uintptr_t(stride_qs * 2)) % 16 != 0))
+    return fail(1, "q_raw: its pointer and its strides in bytes must be multiples of 16");
+  if (q_raw == nullptr && (q8 == nullptr || q_scale == nullptr)) return fail(1, "pass q8 and q_scale, or q_raw");
   if (encode_fn() == nullptr) return fail(2, "the driver offers no cuTensorMapEncodeTiled (CUDA 12+ driver needed)");
-  CUtensorMap tq, tk, tv;
+  CUtensorMap tq{}, tk, tv;  // tq: unused where the kernel quantises Q itself
   const uint64_t d = static_cast<uint64_t>(head_dim);
-  if (!make_map(&tq, q8, d, sq_pad, uint64_t(batch) * hq, head_dim, 64) ||
+  if ((q_raw == nullptr && !make_map(&tq, q8, d, sq_pad, uint64_t(batch) * hq, head_dim, 64)) ||
       !make_map(&tk, k8, d, skv_pad, uint64_t(batch) * hkv, head_dim, kBlockN) ||
       !(pv_fp16 ? make_map(&tv, v, 2 * d, skv_pad, uint64_t(batch) * hkv, 128, kBlockN)
                 : make_map(&tv, v, skv_pad, d, uint64_t(batch) * hkv, kBlockN, head_dim)))
     return fail(2, "cuTensorMapEncodeTiled refused a staging tensor (alignment or size)");
   const Params prm{q_scale, k_scale, v_scale, out, lse, stride_ob, stride_oh, stride_os,
                    hq, hkv, sq, skv, sq_pad / 64, skv_pad / kBlockN, out_bf16, n_mb,
-                   static_cast<int>(n_tiles), n_full, splits ? n_split : 1, part_o, part_lse};
+                   static_cast<int>(n_tiles), n_full, splits ? n_split : 1, part_o, part_lse,
+                   q_raw, stride_qb, stride_qh, stride_qs, q_bf16, q_scale_mult};
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   if (head_dim == 128) return launch_pv<128, kConsumers, 4>(tq, tk, tv, prm, batch, sq_pad, causal, pv_fp16, st);
   return launch_pv<64, kConsumers, 6>(tq, tk, tv, prm, batch, sq_pad, causal, pv_fp16, st);
