@@ -295,3 +295,26 @@ def test_bench_sage_builds_checks_its_arguments_and_reads_the_kernel_at_a_revisi
         return  # a tree copied without its history: --before-source is the way there
     source = bench_sage_builds.source_at("HEAD", tmp_path)
     assert source.parent == tmp_path and "int fc_sage2_sm90(" in source.read_text()
+
+
+def test_bench_staging_checks_its_arguments_and_loads_the_old_module_beside_the_new(tmp_path, capsys):
+    import bench_staging
+
+    with pytest.raises(SystemExit):
+        bench_staging.main(["--against", "HEAD", "--shapes", "1x24x4608x96"])
+    assert "head_dim 64 or 128" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="no such file"):
+        bench_staging.main(["--before-source", str(tmp_path / "missing.py")])
+    with pytest.raises(SystemExit, match="--rounds 0"):
+        bench_staging.main(["--before-source", bench_staging.quant.__file__, "--rounds", "0"])
+    stray = tmp_path / "stray.py"
+    stray.write_text("X = 1\n")
+    with pytest.raises(SystemExit, match="has no staging_plan"):
+        bench_staging.module_from(stray)
+    old = bench_staging.module_from(Path(bench_staging.quant.__file__))
+    assert old is not bench_staging.quant and old.__name__.startswith("flash_catalog.kernels.sage2.")
+    assert old.staging_plan is not bench_staging.quant.staging_plan
+    if not (bench_staging.ROOT / ".git").exists():
+        return  # a tree copied without its history: --before-source is the way there
+    source = bench_staging.source_at("HEAD", tmp_path, Path(bench_staging.quant.__file__))
+    assert source == tmp_path / "quant.py" and "def staging_plan(" in source.read_text()

@@ -57,9 +57,10 @@ def parse_pv(text: str) -> list[str]:
     return modes
 
 
-def source_at(rev: str, folder: Path) -> Path:
-    """The kernel's source at git revision `rev`, written into `folder`; SystemExit naming `rev` when git has none."""
-    relative = cuda_kernel.SOURCE.relative_to(ROOT).as_posix()
+def source_at(rev: str, folder: Path, source: Path = cuda_kernel.SOURCE) -> Path:
+    """File `source` of this tree (default: the kernel's) at git revision `rev`, written into `folder` under its own
+    name; SystemExit naming `rev` when git has none."""
+    relative = source.relative_to(ROOT).as_posix()
     try:
         shown = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{relative}"], capture_output=True, text=True)
     except FileNotFoundError:
@@ -67,7 +68,7 @@ def source_at(rev: str, folder: Path) -> Path:
                          "--before-source") from None
     if shown.returncode != 0:
         raise SystemExit(f"--against {rev}: git has no {relative} there ({shown.stderr.strip()})")
-    path = folder / cuda_kernel.SOURCE.name
+    path = folder / source.name
     path.write_text(shown.stdout)
     return path
 
