@@ -311,6 +311,10 @@ def test_bench_staging_checks_its_arguments_and_loads_the_old_module_beside_the_
     stray.write_text("X = 1\n")
     with pytest.raises(SystemExit, match="has no staging_plan"):
         bench_staging.module_from(stray)
+    older = tmp_path / "older.py"
+    older.write_text("def staging_plan(q, k, v, *, pv='fp8'):\n    pass\n")
+    with pytest.raises(SystemExit, match="takes no stage_q"):
+        bench_staging.main(["--before-source", str(older), "--without-q"])
     old = bench_staging.module_from(Path(bench_staging.quant.__file__))
     assert old is not bench_staging.quant and old.__name__.startswith("flash_catalog.kernels.sage2.")
     assert old.staging_plan is not bench_staging.quant.staging_plan

@@ -8,7 +8,9 @@ and the staging alone is timed replayed from CUDA graphs of 10 calls, the two al
 (median), with cuDNN's SDPA graphed beside them for scale. A staging change is judged by this.
 
     python tools/bench_staging.py --against REV | --before-source FILE [--shapes 1x24x4608x128,...]
-                                  [--rounds N] [--json out.json]
+                                  [--without-q] [--rounds N] [--json out.json]
+
+`--without-q` stages K and V only, as the CUDA kernel's path does where the kernel quantises Q itself.
 """
 
 from __future__ import annotations
@@ -106,14 +108,14 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--before-source {args.before_source}: no such file")
     if args.rounds < 1:
         raise SystemExit(f"--rounds {args.rounds}: want at least 1")
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        raise SystemExit("the staging is timed as the sm_90 CUDA kernel uses it (H100/H200); this machine has none")
     before_name = str(args.before_source or args.against)
     with tempfile.TemporaryDirectory() as folder:
         path = args.before_source or source_at(args.against, Path(folder), Path(quant.__file__))
         modules = {"now": quant, "before": module_from(path)}
     if args.without_q and "stage_q" not in inspect.signature(modules["before"].staging_plan).parameters:
         raise SystemExit(f"--without-q: {before_name}'s staging_plan takes no stage_q (it always stages Q)")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        raise SystemExit("the staging is timed as the sm_90 CUDA kernel uses it (H100/H200); this machine has none")
     rows = []
     for shape in args.shapes:
         rows.append(compare(shape, modules, args.rounds, stage_q=not args.without_q))
