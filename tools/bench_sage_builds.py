@@ -89,6 +89,41 @@ def replay_ms(graph: torch.cuda.CUDAGraph) -> float:
     return start.elapsed_time(end) / GRAPH_CALLS
 
 
+def alternating_medians(graphs: dict[str, torch.cuda.CUDAGraph], rounds: int) -> dict[str, float]:
+    """Median ms of one call of each graph's GRAPH_CALLS, the graphs replayed in turn over `rounds` rounds (forwards,
+    then backwards), so that a drift of the GPU's clock falls on all of them alike."""
+    times: dict[str, list[float]] = {name: [] for name in graphs}
+    for r in range(rounds):
+        for name in (list(graphs) if r % 2 == 0 else list(reversed(graphs))):
+            times[name].append(replay_ms(graphs[name]))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def before_after_parser(doc: str, what: str, default_shapes: str, shapes_help: str,
+                        rounds: int) -> argparse.ArgumentParser:
+    """The arguments both before/after tools take: which `what` is 'before' (`--against REV` or `--before-source
+    FILE`), `--shapes`, `--rounds`, `--json`; `checked_args` checks them once parsed."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    before = ap.add_mutually_exclusive_group(required=True)
+    before.add_argument("--against", metavar="REV", help=f"git revision whose {what} is 'before'")
+    before.add_argument("--before-source", type=Path, metavar="FILE", help=f"the 'before' {what} itself")
+    ap.add_argument("--shapes", type=parse_shapes, default=parse_shapes(default_shapes),
+                    help=f"BxHxSxD,... (default {default_shapes}: {shapes_help})")
+    ap.add_argument("--rounds", type=int, default=rounds, help="alternating rounds of graph replays (median)")
+    ap.add_argument("--json", type=Path, help="write the rows and the environment here")
+    return ap
+
+
+def checked_args(ap: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """`ap`'s arguments, with SystemExit naming a missing --before-source file or a --rounds below 1."""
+    args = ap.parse_args(argv)
+    if args.before_source is not None and not args.before_source.is_file():
+        raise SystemExit(f"--before-source {args.before_source}: no such file")
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds {args.rounds}: want at least 1")
+    return args
+
+
 def compare(shape: tuple[int, int, int, int], pv: str, builds: dict[str, CudaBuild], rounds: int) -> dict:
     torch.manual_seed(0)
     b, h, s, d = shape
@@ -108,11 +143,7 @@ def compare(shape: tuple[int, int, int, int], pv: str, builds: dict[str, CudaBui
     finally:
         cuda_kernel.build = kernel_build
     graphs["cudnn"] = bench_sage.captured(lambda: F.scaled_dot_product_attention(q, k, v), GRAPH_CALLS)
-    times: dict[str, list[float]] = {name: [] for name in graphs}
-    for r in range(rounds):
-        for name in (list(graphs) if r % 2 == 0 else list(reversed(graphs))):
-            times[name].append(replay_ms(graphs[name]))
-    ms = {name: statistics.median(t) for name, t in times.items()}
+    ms = alternating_medians(graphs, rounds)
     flops = 4 * b * h * s * s * d
     row = {"shape": "x".join(map(str, shape)), "pv": pv, "cudnn_ms": round(ms["cudnn"], 4),
            "speedup_vs_before": round(ms["before"] / ms["now"], 4),
@@ -128,21 +159,10 @@ def compare(shape: tuple[int, int, int, int], pv: str, builds: dict[str, CudaBui
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    before = ap.add_mutually_exclusive_group(required=True)
-    before.add_argument("--against", metavar="REV", help="git revision whose kernel source is 'before'")
-    before.add_argument("--before-source", type=Path, metavar="FILE", help="the 'before' kernel source itself")
-    ap.add_argument("--shapes", type=parse_shapes, default=parse_shapes(DEFAULT_SHAPES),
-                    help=f"BxHxSxD,... (default {DEFAULT_SHAPES}: FLUX.1-dev's attention, B2 D64, SD3.5 "
-                         "Large's, a long sequence)")
+    ap = before_after_parser(__doc__, "kernel source", DEFAULT_SHAPES,
+                             "FLUX.1-dev's attention, B2 D64, SD3.5 Large's, a long sequence", 12)
     ap.add_argument("--pv", type=parse_pv, default=["fp8"], help="P.V modes, comma-separated: fp8, fp16 (default fp8)")
-    ap.add_argument("--rounds", type=int, default=12, help="alternating rounds of graph replays (median)")
-    ap.add_argument("--json", type=Path, help="write the rows and the environment here")
-    args = ap.parse_args(argv)
-    if args.before_source is not None and not args.before_source.is_file():
-        raise SystemExit(f"--before-source {args.before_source}: no such file")
-    if args.rounds < 1:
-        raise SystemExit(f"--rounds {args.rounds}: want at least 1")
+    args = checked_args(ap, argv)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         raise SystemExit("the sage2 CUDA kernel runs on sm_90 (H100/H200); this machine has no such GPU")
     before_name = str(args.before_source or args.against)

@@ -15,12 +15,10 @@ and the staging alone is timed replayed from CUDA graphs of 10 calls, the two al
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import inspect
 import json
 import platform
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -35,11 +33,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
 import bench_sage  # noqa: E402
-from bench_sage_builds import GRAPH_CALLS, parse_shapes, replay_ms, source_at  # noqa: E402
+from bench_sage_builds import (GRAPH_CALLS, alternating_medians, before_after_parser, checked_args,  # noqa: E402
+                               source_at)
 
 from flash_catalog.kernels.sage2 import cuda_kernel, quant  # noqa: E402
 
-DEFAULT_SHAPES = "1x24x4608x128,2x24x4096x64,1x38x4429x64,1x24x6144x128,1x40x16384x128"
+DEFAULT_SHAPES = "1x24x4608x128,2x24x4096x64,1x38x4429x64,1x24x7401x128,1x40x16384x128"
 COMPARED = ("q8", "q_scale", "k8", "k_scale", "k_mean", "v_scale", "v")  # what the kernel reads
 
 
@@ -78,11 +77,7 @@ def compare(shape: tuple[int, int, int, int], modules: dict[str, ModuleType], ro
               for name, plan in plans.items()}
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
         graphs["cudnn"] = bench_sage.captured(lambda: F.scaled_dot_product_attention(q, k, v), GRAPH_CALLS)
-    times: dict[str, list[float]] = {name: [] for name in graphs}
-    for r in range(rounds):
-        for name in (list(graphs) if r % 2 == 0 else list(reversed(graphs))):
-            times[name].append(replay_ms(graphs[name]))
-    us = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+    us = {name: 1e3 * ms for name, ms in alternating_medians(graphs, rounds).items()}
     moved = (3 * q.numel() if stage_q else 0) + 5 * k.numel() + 5 * v.numel()  # bytes: Q read and written as INT8
     #                                                                          K, V read twice and written
     return {"shape": "x".join(map(str, shape)), "before_us": round(us["before"], 2), "now_us": round(us["now"], 2),
@@ -91,23 +86,12 @@ def compare(shape: tuple[int, int, int, int], modules: dict[str, ModuleType], ro
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    before = ap.add_mutually_exclusive_group(required=True)
-    before.add_argument("--against", metavar="REV", help="git revision whose quant.py is 'before'")
-    before.add_argument("--before-source", type=Path, metavar="FILE", help="the 'before' quant.py itself")
-    ap.add_argument("--shapes", type=parse_shapes, default=parse_shapes(DEFAULT_SHAPES),
-                    help=f"BxHxSxD,... (default {DEFAULT_SHAPES}: FLUX.1-dev's attention, B2 D64, SD3.5 Large's, "
-                         "Qwen-Image's, a long sequence)")
+    ap = before_after_parser(__doc__, "quant.py", DEFAULT_SHAPES,
+                             "FLUX.1-dev's attention, B2 D64, SD3.5 Large's, Qwen-Image's, a long sequence", 15)
     ap.add_argument("--without-q", action="store_true",
                     help="stage K and V only, as where the CUDA kernel quantises Q itself (both modules must "
                          "take stage_q)")
-    ap.add_argument("--rounds", type=int, default=15, help="alternating rounds of graph replays (median)")
-    ap.add_argument("--json", type=Path, help="write the rows and the environment here")
-    args = ap.parse_args(argv)
-    if args.before_source is not None and not args.before_source.is_file():
-        raise SystemExit(f"--before-source {args.before_source}: no such file")
-    if args.rounds < 1:
-        raise SystemExit(f"--rounds {args.rounds}: want at least 1")
+    args = checked_args(ap, argv)
     before_name = str(args.before_source or args.against)
     with tempfile.TemporaryDirectory() as folder:
         path = args.before_source or source_at(args.against, Path(folder), Path(quant.__file__))
