@@ -4,9 +4,11 @@
 // MMA order, `v_mma_order=True`; pv="fp16": V's padded fp16 copy, `v_fp16=True`).
 //
 // One CTA: 64 * NC query rows of one (batch, head), NC = 3 consumer warpgroups of 64 rows and a producer
-// warpgroup (one thread issues the TMA loads of the Q tiles and of a ring of K / V^T tiles, completing on
-// mbarriers; setmaxnreg gives its registers to the consumers). A consumer runs, per 128-key block: the INT8
-// Q.K^T wgmma (s32), the online softmax, the FP8 P.V wgmma into a fresh fp32 block, then O = O * alpha + block:
+// warpgroup (one thread issues the TMA loads of the staged Q tiles and of a ring of K / V^T tiles, completing on
+// mbarriers; setmaxnreg gives its registers to the consumers). Where the caller hands Q over as it is (`q_raw`),
+// each consumer quantises its own 64 rows into shared memory instead (quantize_q_tile), and the staging has no Q
+// pass. A consumer runs, per 128-key block: the INT8 Q.K^T wgmma (s32), the online softmax, the FP8 P.V wgmma into
+// a fresh fp32 block, then O = O * alpha + block:
 // the FP8 MMA's own accumulator is reduced-precision, so it never carries more than one key block (two-level
 // accumulation). Three consumers share the tensor cores, so one's softmax can run under the others' MMAs; two
 // consumers with 240 registers each, taking turns at the tensor cores FA3-style, measured slower, and a
@@ -145,8 +147,9 @@ __device__ __forceinline__ uint64_t smem_desc_mn16(const void* tile) {
   return desc;
 }
 
-// Named barriers 1..3 (0 is __syncthreads): the exponential token. bar.sync waits for the previous consumer's
-// bar.arrive (128 + 128 threads); a ring of three cannot arrive twice before its successor has synced.
+// Named barriers 1..3 (0 is __syncthreads): the exponential token; 4..6 are each consumer's own (quantize_q_tile).
+// bar.sync waits for the previous consumer's bar.arrive (128 + 128 threads); a ring of three cannot arrive twice
+// before its successor has synced.
 __device__ __forceinline__ void bar_sync_256(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void bar_arrive_256(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory"); }
 
@@ -431,7 +434,7 @@ __device__ __forceinline__ void pv16_block(float (&o)[D / 2], const uint32_t (&p
 // 64B at D64)), with the staging's arithmetic: one scale for the tile, amax / 127 (max|q| at least 1e-30), codes
 // round(q * (127 / amax)) half away from zero, rows past sq zero. Called by all 128 threads of consumer warpgroup
 // `cw`, which it synchronises on named barrier 4 + cw; returns the tile's scale with q_scale_mult folded in.
-template <int D, int NC>
+template <int D>
 __device__ __forceinline__ float quantize_q_tile(const Params& prm, int8_t* tile, float (&warp_amax)[4], int b, int h,
                                                  int row0, int tid, int cw) {
   constexpr int kChunks = D / 8;             // 16-byte chunks (8 values) per row
@@ -564,7 +567,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
   const int r0 = m_base + cw * 64 + (tid / 32) * 16 + lane / 4;
   const float q_scale =
       prm.q_raw != nullptr
-          ? quantize_q_tile<D, NC>(prm, sm.q + cw * 64 * D, sm.q_amax[cw], b, h, m_base + cw * 64, tid, cw)
+          ? quantize_q_tile<D>(prm, sm.q + cw * 64 * D, sm.q_amax[cw], b, h, m_base + cw * 64, tid, cw)
           : prm.q_scale[static_cast<long long>(bh) * prm.n_qb + min(m_block * NC + cw, prm.n_qb - 1)];
   const float* k_scale = prm.k_scale + static_cast<long long>(bhk) * prm.n_kb;
   const uint64_t desc_q = smem_desc(sm.q + cw * 64 * D, D);
