@@ -4,8 +4,9 @@ The same algorithm as `sage2_attention(pv=...)` (K smoothing, per-tile INT8 Q/K,
 e4m3 P and per-channel e4m3 V, pv="fp16": fp16 P and V), on `quantize_qkv` staging with 64-row Q tiles and 128-key K
 tiles; V^T in the kernel's MMA order for pv="fp8", V's padded fp16 copy for pv="fp16". What the kernel does that
 the Triton and Gluon ones do not: FP8 P.V accumulates in a fresh fp32 block per 128 keys that is then added to the
-output accumulator (the FP8 MMA's own accumulator is reduced-precision), and P is packed straight into the MMA's A
-registers. sm_90 only; D 64 or 128; GQA, causal and any lengths.
+output accumulator (the FP8 MMA's own accumulator is reduced-precision), P is packed straight into the MMA's A
+registers, and, where Q's rows are 16-byte aligned (`q_in_kernel_serves`), the kernel quantises Q itself, so that
+`sage2_cuda_attention` stages only K and V. sm_90 only; D 64 or 128; GQA, causal and any lengths.
 """
 
 from __future__ import annotations
