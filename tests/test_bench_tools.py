@@ -291,6 +291,12 @@ def test_bench_sage_builds_checks_its_arguments_and_reads_the_kernel_at_a_revisi
             bench_sage_builds.main(["--against", "HEAD"])
     with pytest.raises(SystemExit, match="git has no flash_catalog/kernels/sage2/cuda/sage2_sm90.cu"):
         bench_sage_builds.source_at("no-such-revision", tmp_path)
+    older = tmp_path / "older.cu"
+    older.write_text("int fc_sage2_sm90(const void* q8);\n")
+    assert bench_sage_builds.takes_q_raw(bench_sage_builds.cuda_kernel.SOURCE)
+    assert not bench_sage_builds.takes_q_raw(older)
+    with pytest.raises(SystemExit, match="older.cu's kernel takes no q_raw"):
+        bench_sage_builds.main(["--before-source", str(older), "--q-in-kernel"])
     if not (bench_sage_builds.ROOT / ".git").exists():
         return  # a tree copied without its history: --before-source is the way there
     source = bench_sage_builds.source_at("HEAD", tmp_path)

@@ -8,7 +8,10 @@ with cuDNN's SDPA graphed beside them. Accuracy: cosine and relative L2 error ag
 the two builds' relative L2 distance. A kernel change is judged by this, not by two runs of `bench_sage.py`.
 
     python tools/bench_sage_builds.py --against REV | --before-source FILE [--shapes 1x24x4608x128,...]
-                                      [--pv fp8,fp16] [--rounds N] [--json out.json]
+                                      [--pv fp8,fp16] [--q-in-kernel] [--rounds N] [--json out.json]
+
+`--q-in-kernel` times both builds quantising Q themselves from the caller's Q (the staging then holds K and V
+only), as `sage2_cuda_attention` runs the kernel; both sources must take `q_raw`.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +37,7 @@ import bench_sage  # noqa: E402
 
 from flash_catalog.kernels.cuda_build import CudaBuild, load_library  # noqa: E402
 from flash_catalog.kernels.sage2 import cuda_kernel  # noqa: E402
-from flash_catalog.kernels.sage2.quant import quantize_qkv  # noqa: E402
+from flash_catalog.kernels.sage2.quant import Sage2Staged, quantize_qkv  # noqa: E402
 
 DEFAULT_SHAPES = "1x24x4608x128,2x24x4096x64,1x38x4429x64,1x40x16384x128"
 GRAPH_CALLS = 10
@@ -124,20 +128,44 @@ def checked_args(ap: argparse.ArgumentParser, argv: list[str] | None) -> argpars
     return args
 
 
-def compare(shape: tuple[int, int, int, int], pv: str, builds: dict[str, CudaBuild], rounds: int) -> dict:
+def in_kernel_run(staged: Sage2Staged, q: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """The kernel alone on `staged` (made with stage_q=False), quantising `q` itself, as `sage2_cuda_attention`
+    runs it: a function returning a new output per call (the launch made with the current `cuda_kernel.build`)."""
+    out_shape = tuple(q.shape)
+    strides = cuda_kernel.new_output(out_shape, q.dtype, torch.device("meta"), "bhsd").stride()
+    launch = cuda_kernel.kernel_launch(staged, q.dtype, strides, False, True, None,
+                                       cuda_kernel.QInKernel.of(q, q.shape[-1] ** -0.5))
+
+    def run() -> torch.Tensor:
+        out = cuda_kernel.new_output(out_shape, q.dtype, q.device, "bhsd")
+        launch(out, None, q)
+        return out
+    return run
+
+
+def takes_q_raw(source: Path) -> bool:
+    """Whether a kernel source has the arguments by which the caller hands Q over whole (`q_raw`)."""
+    return "q_raw" in source.read_text()
+
+
+def compare(shape: tuple[int, int, int, int], pv: str, builds: dict[str, CudaBuild], rounds: int,
+            q_in_kernel: bool = False) -> dict:
     torch.manual_seed(0)
     b, h, s, d = shape
     q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     k = k + 0.5 * torch.randn(1, h, 1, d, device="cuda", dtype=torch.bfloat16)  # keys share a mean, as real ones do
     exact = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
     staged = quantize_qkv(q, k, v, pv=pv, block_m=cuda_kernel.STAGING_TILES[0], block_n=cuda_kernel.STAGING_TILES[1],
-                          **cuda_kernel.staging_options(pv))
+                          stage_q=not q_in_kernel, **cuda_kernel.staging_options(pv))
     outputs, graphs = {}, {}
     kernel_build = cuda_kernel.build
     try:
         for name, build in builds.items():
             cuda_kernel.build = lambda build=build: build  # kernel_launch asks build() for the library
-            run = lambda: cuda_kernel.sage2_cuda_staged(staged, out_dtype=q.dtype)  # noqa: E731
+            if q_in_kernel:
+                run = in_kernel_run(staged, q)
+            else:
+                run = lambda: cuda_kernel.sage2_cuda_staged(staged, out_dtype=q.dtype)  # noqa: E731
             outputs[name] = run().float()
             graphs[name] = bench_sage.captured(run, GRAPH_CALLS)
     finally:
@@ -162,24 +190,29 @@ def main(argv: list[str] | None = None) -> None:
     ap = before_after_parser(__doc__, "kernel source", DEFAULT_SHAPES,
                              "FLUX.1-dev's attention, B2 D64, SD3.5 Large's, a long sequence", 12)
     ap.add_argument("--pv", type=parse_pv, default=["fp8"], help="P.V modes, comma-separated: fp8, fp16 (default fp8)")
+    ap.add_argument("--q-in-kernel", action="store_true",
+                    help="time the kernel quantising Q itself, as sage2_cuda_attention runs it (both sources must take "
+                         "q_raw), instead of on staged Q")
     args = checked_args(ap, argv)
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        raise SystemExit("the sage2 CUDA kernel runs on sm_90 (H100/H200); this machine has no such GPU")
     before_name = str(args.before_source or args.against)
     with tempfile.TemporaryDirectory() as folder:
-        builds = {"now": built(cuda_kernel.SOURCE, "current"),
-                  "before": built(args.before_source or source_at(args.against, Path(folder)), before_name)}
+        before_source = args.before_source or source_at(args.against, Path(folder))
+        if args.q_in_kernel and not takes_q_raw(before_source):
+            raise SystemExit(f"--q-in-kernel: {before_name}'s kernel takes no q_raw (it reads staged Q only)")
+        if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+            raise SystemExit("the sage2 CUDA kernel runs on sm_90 (H100/H200); this machine has no such GPU")
+        builds = {"now": built(cuda_kernel.SOURCE, "current"), "before": built(before_source, before_name)}
         rows = []
         for shape in args.shapes:
             for pv in args.pv:
-                rows.append(compare(shape, pv, builds, args.rounds))
+                rows.append(compare(shape, pv, builds, args.rounds, args.q_in_kernel))
                 r = rows[-1]
                 print(f"{r['shape']:>16} {pv:>4}  before {r['before_ms']:.4f} ms ({r['before_vs_cudnn']:.3f}x cuDNN)  "
                       f"now {r['now_ms']:.4f} ms ({r['now_vs_cudnn']:.3f}x, {r['now_tops']} TOPS)  "
                       f"now/before {r['speedup_vs_before']:.3f}x  rel-L2 {r['before_rel_l2']} -> {r['now_rel_l2']}",
                       flush=True)
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
-           "before": before_name, "rounds": args.rounds}
+           "before": before_name, "rounds": args.rounds, "q_in_kernel": args.q_in_kernel}
     if args.json:
         args.json.write_text(json.dumps({"env": env, "rows": rows}, indent=1))
 
