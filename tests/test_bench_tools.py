@@ -326,5 +326,7 @@ def test_bench_staging_checks_its_arguments_and_loads_the_old_module_beside_the_
     assert old.staging_plan is not bench_staging.quant.staging_plan
     if not (bench_staging.ROOT / ".git").exists():
         return  # a tree copied without its history: --before-source is the way there
-    source = bench_staging.source_at("HEAD", tmp_path, Path(bench_staging.quant.__file__))
+    import bench_sage_builds
+
+    source = bench_sage_builds.source_at("HEAD", tmp_path, Path(bench_staging.quant.__file__))
     assert source == tmp_path / "quant.py" and "def staging_plan(" in source.read_text()

@@ -119,13 +119,21 @@ def before_after_parser(doc: str, what: str, default_shapes: str, shapes_help: s
 
 
 def checked_args(ap: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
-    """`ap`'s arguments, with SystemExit naming a missing --before-source file or a --rounds below 1."""
+    """`ap`'s arguments, with SystemExit naming a missing --before-source file or a --rounds below 1; `before_name`
+    says which the 'before' is (the file or the revision)."""
     args = ap.parse_args(argv)
     if args.before_source is not None and not args.before_source.is_file():
         raise SystemExit(f"--before-source {args.before_source}: no such file")
     if args.rounds < 1:
         raise SystemExit(f"--rounds {args.rounds}: want at least 1")
+    args.before_name = str(args.before_source or args.against)
     return args
+
+
+def before_file(args: argparse.Namespace, folder: Path, source: Path = cuda_kernel.SOURCE) -> Path:
+    """The 'before' version of `source`: --before-source, or the file at --against's revision written into
+    `folder`."""
+    return args.before_source or source_at(args.against, folder, source)
 
 
 def in_kernel_run(staged: Sage2Staged, q: torch.Tensor) -> Callable[[], torch.Tensor]:
@@ -146,6 +154,15 @@ def in_kernel_run(staged: Sage2Staged, q: torch.Tensor) -> Callable[[], torch.Te
 def takes_q_raw(source: Path) -> bool:
     """Whether a kernel source has the arguments by which the caller hands Q over whole (`q_raw`)."""
     return "q_raw" in source.read_text()
+
+
+def write_rows(path: Path | None, rows: list[dict], **settings: object) -> None:
+    """Write `rows` and the environment (GPU, torch, Python, and the run's `settings`) as JSON to `path`, if given."""
+    if path is None:
+        return
+    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
+           **settings}
+    path.write_text(json.dumps({"env": env, "rows": rows}, indent=1))
 
 
 def compare(shape: tuple[int, int, int, int], pv: str, builds: dict[str, CudaBuild], rounds: int,
@@ -194,14 +211,13 @@ def main(argv: list[str] | None = None) -> None:
                     help="time the kernel quantising Q itself, as sage2_cuda_attention runs it (both sources must take "
                          "q_raw), instead of on staged Q")
     args = checked_args(ap, argv)
-    before_name = str(args.before_source or args.against)
     with tempfile.TemporaryDirectory() as folder:
-        before_source = args.before_source or source_at(args.against, Path(folder))
+        before_source = before_file(args, Path(folder))
         if args.q_in_kernel and not takes_q_raw(before_source):
-            raise SystemExit(f"--q-in-kernel: {before_name}'s kernel takes no q_raw (it reads staged Q only)")
+            raise SystemExit(f"--q-in-kernel: {args.before_name}'s kernel takes no q_raw (it reads staged Q only)")
         if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
             raise SystemExit("the sage2 CUDA kernel runs on sm_90 (H100/H200); this machine has no such GPU")
-        builds = {"now": built(cuda_kernel.SOURCE, "current"), "before": built(before_source, before_name)}
+        builds = {"now": built(cuda_kernel.SOURCE, "current"), "before": built(before_source, args.before_name)}
         rows = []
         for shape in args.shapes:
             for pv in args.pv:
@@ -211,10 +227,7 @@ def main(argv: list[str] | None = None) -> None:
                       f"now {r['now_ms']:.4f} ms ({r['now_vs_cudnn']:.3f}x, {r['now_tops']} TOPS)  "
                       f"now/before {r['speedup_vs_before']:.3f}x  rel-L2 {r['before_rel_l2']} -> {r['now_rel_l2']}",
                       flush=True)
-    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
-           "before": before_name, "rounds": args.rounds, "q_in_kernel": args.q_in_kernel}
-    if args.json:
-        args.json.write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    write_rows(args.json, rows, before=args.before_name, rounds=args.rounds, q_in_kernel=args.q_in_kernel)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-import json
-import platform
 import sys
 import tempfile
 from pathlib import Path
@@ -34,7 +32,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 import bench_sage  # noqa: E402
 from bench_sage_builds import (GRAPH_CALLS, alternating_medians, before_after_parser, checked_args,  # noqa: E402
-                               source_at)
+                               before_file, write_rows)
 
 from flash_catalog.kernels.sage2 import cuda_kernel, quant  # noqa: E402
 
@@ -92,12 +90,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="stage K and V only, as where the CUDA kernel quantises Q itself (both modules must "
                          "take stage_q)")
     args = checked_args(ap, argv)
-    before_name = str(args.before_source or args.against)
     with tempfile.TemporaryDirectory() as folder:
-        path = args.before_source or source_at(args.against, Path(folder), Path(quant.__file__))
-        modules = {"now": quant, "before": module_from(path)}
+        modules = {"now": quant, "before": module_from(before_file(args, Path(folder), Path(quant.__file__)))}
     if args.without_q and "stage_q" not in inspect.signature(modules["before"].staging_plan).parameters:
-        raise SystemExit(f"--without-q: {before_name}'s staging_plan takes no stage_q (it always stages Q)")
+        raise SystemExit(f"--without-q: {args.before_name}'s staging_plan takes no stage_q (it always stages Q)")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         raise SystemExit("the staging is timed as the sm_90 CUDA kernel uses it (H100/H200); this machine has none")
     rows = []
@@ -107,10 +103,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{r['shape']:>16}  before {r['before_us']:7.1f} us  now {r['now_us']:7.1f} us  now/before "
               f"{r['speedup']:.3f}x  ({r['now_tb_per_s']} TB/s; cuDNN SDPA {r['cudnn_us']:.1f} us)  "
               f"{'bit-equal' if r['bit_equal'] else 'DIFFERENT: ' + ', '.join(r['differing'])}", flush=True)
-    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
-           "before": before_name, "rounds": args.rounds, "without_q": args.without_q}
-    if args.json:
-        args.json.write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    write_rows(args.json, rows, before=args.before_name, rounds=args.rounds, without_q=args.without_q)
 
 
 if __name__ == "__main__":
