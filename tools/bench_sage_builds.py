@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import statistics
 import subprocess
@@ -136,13 +137,14 @@ def before_file(args: argparse.Namespace, folder: Path, source: Path = cuda_kern
     return args.before_source or source_at(args.against, folder, source)
 
 
-def in_kernel_run(staged: Sage2Staged, q: torch.Tensor) -> Callable[[], torch.Tensor]:
-    """The kernel alone on `staged` (made with stage_q=False), quantising `q` itself, as `sage2_cuda_attention`
-    runs it: a function returning a new output per call (the launch made with the current `cuda_kernel.build`)."""
+def in_kernel_run(staged: Sage2Staged, q: torch.Tensor, sm_scale: float) -> Callable[[], torch.Tensor]:
+    """The kernel alone on `staged` (made with stage_q=False), quantising `q` itself with softmax scale `sm_scale`,
+    as `sage2_cuda_attention` runs it: a function returning a new output per call (the launch made with the current
+    `cuda_kernel.build`)."""
     out_shape = tuple(q.shape)
     strides = cuda_kernel.new_output(out_shape, q.dtype, torch.device("meta"), "bhsd").stride()
     launch = cuda_kernel.kernel_launch(staged, q.dtype, strides, False, True, None,
-                                       cuda_kernel.QInKernel.of(q, q.shape[-1] ** -0.5))
+                                       cuda_kernel.QInKernel.of(q, sm_scale))
 
     def run() -> torch.Tensor:
         out = cuda_kernel.new_output(out_shape, q.dtype, q.device, "bhsd")
@@ -172,15 +174,17 @@ def compare(shape: tuple[int, int, int, int], pv: str, builds: dict[str, CudaBui
     q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     k = k + 0.5 * torch.randn(1, h, 1, d, device="cuda", dtype=torch.bfloat16)  # keys share a mean, as real ones do
     exact = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
-    staged = quantize_qkv(q, k, v, pv=pv, block_m=cuda_kernel.STAGING_TILES[0], block_n=cuda_kernel.STAGING_TILES[1],
-                          stage_q=not q_in_kernel, **cuda_kernel.staging_options(pv))
+    sm_scale = 1.0 / math.sqrt(d)  # quantize_qkv's default, so that both modes scale Q alike
+    staged = quantize_qkv(q, k, v, sm_scale=sm_scale, pv=pv, block_m=cuda_kernel.STAGING_TILES[0],
+                          block_n=cuda_kernel.STAGING_TILES[1], stage_q=not q_in_kernel,
+                          **cuda_kernel.staging_options(pv))
     outputs, graphs = {}, {}
     kernel_build = cuda_kernel.build
     try:
         for name, build in builds.items():
             cuda_kernel.build = lambda build=build: build  # kernel_launch asks build() for the library
             if q_in_kernel:
-                run = in_kernel_run(staged, q)
+                run = in_kernel_run(staged, q, sm_scale)
             else:
                 run = lambda: cuda_kernel.sage2_cuda_staged(staged, out_dtype=q.dtype)  # noqa: E731
             outputs[name] = run().float()

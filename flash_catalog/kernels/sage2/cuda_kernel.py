@@ -23,8 +23,8 @@ from typing import Callable
 import torch
 
 from ..cuda_build import CudaBuild, arch_refusal, load_library
-from .quant import (LOG2E, Sage2Staged, StagingPlan, add_key_mean, empty_result, refuse_grad, staging_keys_of,
-                    staging_plan, validate_inputs)
+from .quant import (LOG2E, Sage2Staged, StagingPlan, add_key_mean, empty_result, padded_queries, refuse_grad,
+                    staging_keys_of, staging_plan, validate_inputs)
 from ..staging import StagingKey, StagingPool
 
 SOURCE = Path(__file__).with_name("cuda") / "sage2_sm90.cu"
@@ -268,7 +268,7 @@ def kernel_launch(staged: Sage2Staged, out_dtype: torch.dtype, out_strides: tupl
         raise ValueError("the kernel reads staged Q (q8, q_scale) or quantises it itself (q_in_kernel): exactly one")
     if q_in_kernel is not None:
         bsz, hq, sq, d = q_in_kernel.shape
-        sq_pad = math.ceil(max(sq, 1) / STAGING_TILES[0]) * STAGING_TILES[0]
+        sq_pad = padded_queries(sq, STAGING_TILES[0])
     else:
         bsz, hq, sq_pad, d = staged.q8.shape
     hkv, skv_pad = staged.k8.shape[1], staged.k8.shape[2]

@@ -61,7 +61,7 @@ def staging_layout(q_shape: Sequence[int], k_shape: Sequence[int], *, pv: str, b
     quantises Q itself)."""
     bsz, hq, sq, d = (int(n) for n in q_shape)
     hkv, skv = int(k_shape[1]), int(k_shape[2])
-    sq_pad = max(_cdiv(sq, block_m), 1) * block_m
+    sq_pad = padded_queries(sq, block_m)
     skv_pad = _cdiv(skv, block_n) * block_n
     n_chunks = _cdiv(skv, stats_chunk(skv, bsz * hkv))
     f32 = torch.float32
@@ -406,6 +406,11 @@ def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
+def padded_queries(seq_q: int, block_m: int) -> int:
+    """The query rows the staging and the kernels cover: `seq_q` padded to whole tiles of `block_m`, one at least."""
+    return max(_cdiv(seq_q, block_m), 1) * block_m
+
+
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
                  pv: str = "fp8", block_m: int = 128, block_n: int = 64, num_warps: int | None = None,
                  validate: bool = True, staging: StagingPool | None = None, v_fp16: bool = False,
@@ -498,7 +503,7 @@ def staging_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale:
     layout = staging_layout(q.shape, k.shape, pv=pv, block_m=block_m, block_n=block_n, v_fp16=v_fp16,
                             stage_q=stage_q)
     buf = {name: _staging(name, shape, dtype, dev, staging, pv) for name, (shape, dtype) in layout.items()}
-    sq_pad, skv_pad = max(_cdiv(sq, block_m), 1) * block_m, buf["k8"].shape[2]
+    sq_pad, skv_pad = padded_queries(sq, block_m), buf["k8"].shape[2]
     n_qb, n_kb = sq_pad // block_m, skv_pad // block_n
     warps = num_warps if num_warps is not None else (8 if d == 128 else 4)
     exact = interpreter_active()
