@@ -110,7 +110,7 @@ def split_plan(tiles: int, n_kv: int, sms: int, causal: bool) -> SplitPlan:
 def plan_for(q_shape: tuple[int, ...], seq_kv: int, causal: bool, device: torch.device) -> SplitPlan:
     """The split plan of a call with queries of `q_shape` (B, Hq, Sq, D) on `device` (its SM count)."""
     bsz, hq, sq = (int(n) for n in q_shape[:3])
-    tiles = math.ceil(math.ceil(sq / STAGING_TILES[0]) * STAGING_TILES[0] / CTA_ROWS) * bsz * hq
+    tiles = math.ceil(padded_queries(sq, STAGING_TILES[0]) / CTA_ROWS) * bsz * hq
     return split_plan(tiles, math.ceil(seq_kv / STAGING_TILES[1]), _sm_count(device), causal)
 
 
