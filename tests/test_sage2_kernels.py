@@ -11,7 +11,7 @@ if not torch.cuda.is_available():  # must precede any triton import: @triton.jit
 
 from flash_catalog.kernels.sage2.selection import choose_kernel, staging_tiles_for  # noqa: E402
 from flash_catalog.kernels.sage2.triton_kernel import quantize_qkv, sage2_attention, sage2_attention_staged  # noqa: E402
-from flash_catalog.kernels.sage2.quant import STATS_PROGRAMS, staging_layout, stats_chunk  # noqa: E402
+from flash_catalog.kernels.sage2.quant import STATS_PROGRAMS, staging_layout, staging_plan, stats_chunk  # noqa: E402
 from flash_catalog.kernels.sage2.reference import exact_attention, reference_quantize, sage2_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -155,6 +155,35 @@ def test_key_statistics_over_several_chunks():
     assert torch.equal(st.v_scale, ref["v_scale"])
     assert torch.equal(st.v.view(torch.uint8), ref["vt8"].view(torch.uint8))
     assert (st.k8.int() - ref["k8"].int()).abs().max() <= 1
+
+
+def test_the_staging_launches_one_by_one_write_what_they_say():
+    """`StagingPlan.launch` is its three launches in order, and tools/bench_staging times them apart: the statistics
+    write the partials and leave K's mean and the codes alone, the reduction writes K's mean and V's scales, the K/V
+    pass the codes."""
+    q, k, v = _inputs(sq=16, skv=700, d=64, dtype=torch.bfloat16, seed=10)
+    plan = staging_plan(q, k, v, pv="fp8", block_m=16, block_n=SMALL_N, stage_q=False)
+    ref = reference_quantize(q, k, v, pv="fp8", block_m=16, block_n=SMALL_N)
+    buf = plan.buffers
+    for b in buf.values():
+        b.view(torch.uint8).fill_(0x7E)
+
+    def untouched(name):
+        return bool((buf[name].view(torch.uint8) == 0x7E).all())
+
+    plan.launch_statistics(q, k, v)
+    torch.testing.assert_close(buf["k_sum_partial"].sum(1) / 700, ref["k_mean"].view(2, 64), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(buf["v_amax_partial"].amax(1), ref["v_scale"].view(2, 64) * 448, rtol=1e-6, atol=0)
+    assert untouched("k_mean") and untouched("v_scale") and untouched("k8") and untouched("vt8")
+    plan.launch_reduction()
+    torch.testing.assert_close(buf["k_mean"], ref["k_mean"], rtol=1e-5, atol=1e-6)
+    assert torch.equal(buf["v_scale"], ref["v_scale"])
+    assert untouched("k8") and untouched("k_scale") and untouched("vt8")
+    plan.launch_kv_pass(k, v)
+    staged, whole = plan.staged(v), quantize_qkv(q, k, v, pv="fp8", block_m=16, block_n=SMALL_N, stage_q=False)
+    for name in ("k8", "k_scale", "k_mean", "v", "v_scale"):
+        assert torch.equal(getattr(staged, name).view(torch.uint8), getattr(whole, name).view(torch.uint8)), name
+    assert (staged.k8.int() - ref["k8"].int()).abs().max() <= 1
 
 
 def test_statistics_chunks_shrink_only_where_programs_would_be_few():

@@ -5,7 +5,9 @@ The old `flash_catalog/kernels/sage2/quant.py` (from `git show REV:...`, or a fi
 loaded beside the current one. Per shape (random bf16 Q, K with a per-channel mean, V, stored (B, S, H, D) as
 diffusers passes them): both stage the same tensors, every buffer the attention kernel reads is compared bit for bit,
 and the staging alone is timed replayed from CUDA graphs of 10 calls, the two alternating over `--rounds` rounds
-(median), with cuDNN's SDPA graphed beside them for scale. A staging change is judged by this.
+(median), with cuDNN's SDPA graphed beside them for scale. A staging change is judged by this. The current
+module's three launches (statistics, their reduction, the K/V pass) are also timed one by one in the same rounds, to
+show where its time goes.
 
     python tools/bench_staging.py --against REV | --before-source FILE [--shapes 1x24x4608x128,...]
                                   [--without-q] [--rounds N] [--json out.json]
@@ -73,6 +75,10 @@ def compare(shape: tuple[int, int, int, int], modules: dict[str, ModuleType], ro
                                     getattr(staged["before"], field).view(torch.uint8))]
     graphs = {name: bench_sage.captured(lambda plan=plan: plan.launch(q, k, v), GRAPH_CALLS)
               for name, plan in plans.items()}
+    now = plans["now"]
+    launches = {"statistics": lambda: now.launch_statistics(q, k, v), "reduction": now.launch_reduction,
+                "kv_pass": lambda: now.launch_kv_pass(k, v)}
+    graphs.update({f"now_{name}": bench_sage.captured(fn, GRAPH_CALLS) for name, fn in launches.items()})
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
         graphs["cudnn"] = bench_sage.captured(lambda: F.scaled_dot_product_attention(q, k, v), GRAPH_CALLS)
     us = {name: 1e3 * ms for name, ms in alternating_medians(graphs, rounds).items()}
@@ -80,6 +86,7 @@ def compare(shape: tuple[int, int, int, int], modules: dict[str, ModuleType], ro
     #                                                                          K, V read twice and written
     return {"shape": "x".join(map(str, shape)), "before_us": round(us["before"], 2), "now_us": round(us["now"], 2),
             "speedup": round(us["before"] / us["now"], 4), "cudnn_us": round(us["cudnn"], 2),
+            "now_launches_us": {name: round(us[f"now_{name}"], 2) for name in launches},
             "now_tb_per_s": round(moved / us["now"] / 1e6, 2), "bit_equal": not differing, "differing": differing}
 
 
@@ -102,7 +109,8 @@ def main(argv: list[str] | None = None) -> None:
         r = rows[-1]
         print(f"{r['shape']:>16}  before {r['before_us']:7.1f} us  now {r['now_us']:7.1f} us  now/before "
               f"{r['speedup']:.3f}x  ({r['now_tb_per_s']} TB/s; cuDNN SDPA {r['cudnn_us']:.1f} us)  "
-              f"{'bit-equal' if r['bit_equal'] else 'DIFFERENT: ' + ', '.join(r['differing'])}", flush=True)
+              f"{'bit-equal' if r['bit_equal'] else 'DIFFERENT: ' + ', '.join(r['differing'])}\n{'':>18}now's launches "
+              + ", ".join(f"{name} {t:.1f} us" for name, t in r["now_launches_us"].items()), flush=True)
     write_rows(args.json, rows, before=args.before_name, rounds=args.rounds, without_q=args.without_q)
 
 

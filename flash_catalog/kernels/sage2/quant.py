@@ -453,23 +453,40 @@ class StagingPlan:
         return self.staged(v)
 
     def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """The three launches alone, for a caller that needs no description of the staging (`run` gives one)."""
-        # Three launches. 1) K's and V's chunk statistics (partial sums of K, partial max|V| per channel) and, in
-        #    the same launch, Q (unless the CUDA kernel quantises it): per-tile INT8 with the softmax scale *
-        #    log2(e) folded into the scale.
-        buf, with_v = self.buffers, self.pv == "fp8"
+        """The three launches alone, in order, for a caller that needs no description of the staging (`run` gives
+        one)."""
+        self.launch_statistics(q, k, v)
+        self.launch_reduction()
+        self.launch_kv_pass(k, v)
+
+    def launch_statistics(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Launch 1: K's and V's chunk statistics (partial sums of K, partial max|V| per channel) and, in the same
+        launch, Q (unless the CUDA kernel quantises it): per-tile INT8 with the softmax scale * log2(e) folded into
+        the scale."""
+        buf = self.buffers
         ksum, k_mean, k8 = buf["k_sum_partial"], buf["k_mean"], buf["k8"]
-        vmax = buf["v_amax_partial"] if with_v else ksum
+        vmax = buf["v_amax_partial"] if self.pv == "fp8" else ksum
         q8, q_scale = (buf["q8"], buf["q_scale"]) if "q8" in buf else (k8, k_mean)  # no Q programs without them
         self.stats(k, v, ksum, vmax, q, q8, q_scale)
-        # 2) The per-head reduction of the partials (deterministic, no atomics): K's mean, V's scale and 1/scale.
-        v_scale, v_inv = (buf["v_scale"], buf["v_inv"]) if with_v else (k_mean, k_mean)
+
+    def launch_reduction(self) -> None:
+        """Launch 2: the per-head reduction of the partials (deterministic, no atomics): K's mean, V's scale and
+        1/scale."""
+        buf = self.buffers
+        ksum, k_mean = buf["k_sum_partial"], buf["k_mean"]
+        with_v = self.pv == "fp8"
+        vmax, v_scale, v_inv = ((buf["v_amax_partial"], buf["v_scale"], buf["v_inv"]) if with_v else
+                                (ksum, k_mean, k_mean))
         self.finalize(ksum, vmax, k_mean, v_scale, v_inv)
-        # 3) K less its token mean (softmax is invariant to it), per-block INT8, with the same tokens of V:
-        #    per-channel FP8 e4m3 staged as V^T (the K-major B operand of the P.V MMA), or with v_fp16 a padded fp16
-        #    copy (fp16 mode otherwise reads V as it is: the Triton kernel).
-        self.quant_kv(k, k_mean, k8, buf["k_scale"], v, buf["v16"] if self.v_fp16 else k8, v_inv,
-                      buf["vt8"] if with_v else k8)
+
+    def launch_kv_pass(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Launch 3: K less its token mean (softmax is invariant to it), per-block INT8, with the same tokens of V:
+        per-channel FP8 e4m3 staged as V^T (the K-major B operand of the P.V MMA), or with v_fp16 a padded fp16 copy
+        (fp16 mode otherwise reads V as it is: the Triton kernel)."""
+        buf = self.buffers
+        k8, with_v = buf["k8"], self.pv == "fp8"
+        self.quant_kv(k, buf["k_mean"], k8, buf["k_scale"], v, buf["v16"] if self.v_fp16 else k8,
+                      buf["v_inv"] if with_v else buf["k_mean"], buf["vt8"] if with_v else k8)
 
     def staged(self, v: torch.Tensor) -> Sage2Staged:
         """The plan's buffers as the staging a run leaves in them (V passed through where nothing stages it)."""
