@@ -56,6 +56,9 @@ def test_bench_model_image_hosts(model, tmp_path, fresh_clock):
         assert rows[name]["cos_vs_host_eager"] > 0.999
         assert finite(rows[name]["pipelined_ms"]) and rows[name]["gpu_after"] is None  # no GPU state off CUDA
         assert 0 < rows[name]["enqueue_ms"] < 10 * rows[name]["ms"]  # on CPU the call's work is the host's
+        # each timed step's host share: until its forward returned, so no more than the step itself
+        assert len(rows[name]["steps_host_ms"]) == len(rows[name]["steps_ms"]) == 1
+        assert all(0 < h <= t for h, t in zip(rows[name]["steps_host_ms"], rows[name]["steps_ms"]))
         assert len(rows[name]["gc_collections"]) == 3 and min(rows[name]["gc_collections"]) >= 0
         profiled = rows[name]["host_profile"]
         assert profiled["total_ms"] > 0 and profiled["calls"] > 0

@@ -43,7 +43,8 @@ whole); last, `peer_compiled`: the model built again from the seed (its fingerpr
 torchao's `quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))` on every bf16 `nn.Linear`,
 and the same regional compile; on CUDA with torchao only (a benchmark-only extra: `pip install 'flash_catalog[bench]'`),
 else skipped with the reason. It runs last because torchao sets its recommended inductor options for the whole process.
-Each row: median ms over `--steps` timed calls (each synchronised), the same number of calls queued back to back ("piped
+Each row: median ms over `--steps` timed calls (each synchronised; `steps_host_ms`: each one's time until the forward
+returned, the host's share of that very step), the same number of calls queued back to back ("piped
 ms": a sampling loop's rate), the median time until an unsynchronised call returns ("enqueue ms": Python's share; near
 the step's ms the host sets the pace), the GPU's clock, power, temperature and throttle reasons after them (`gpu_after`,
 from nvidia-smi), Python's garbage collections during them by generation (`gc_collections`: a full one can stall the
@@ -303,12 +304,21 @@ Fingerprint = dict[str, tuple[str, tuple[int, ...], str, torch.Tensor]]
 
 def call(model: nn.Module, inputs: dict[str, Any], device: torch.device) -> tuple[float, Outputs]:
     """One synchronised forward: (seconds, outputs)."""
+    seconds, _, out = timed_step(model, inputs, device)
+    return seconds, out
+
+
+def timed_step(model: nn.Module, inputs: dict[str, Any], device: torch.device) -> tuple[float, float, Outputs]:
+    """One synchronised forward: (seconds, seconds until the forward returned, outputs). The second is the host's
+    share of this very step (the GPU may still be running): a slow step whose share is near its time waited on
+    Python."""
     sync(device)
     t0 = time.perf_counter()
     with torch.no_grad():
         out = tuple(model(**inputs))
+    returned = time.perf_counter()
     sync(device)
-    return time.perf_counter() - t0, out
+    return time.perf_counter() - t0, returned - t0, out
 
 
 def equal(a: Outputs | None, b: Outputs | None) -> bool | None:
@@ -484,11 +494,13 @@ def time_steps(model: nn.Module, inputs: dict[str, Any], device: torch.device, w
     for _ in range(warmup):
         call(model, inputs, device)
     collections = [g["collections"] for g in gc.get_stats()]
-    times = []
+    times, host_times = [], []
     for _ in range(steps):
-        seconds, out = call(model, inputs, device)
+        seconds, returned, out = timed_step(model, inputs, device)
         times.append(seconds * 1e3)
+        host_times.append(returned * 1e3)
     record["steps_ms"] = times
+    record["steps_host_ms"] = host_times
     record["ms"] = statistics.median(times)
     record["spread"] = (max(times) - min(times)) / record["ms"]
     record["pipelined_ms"] = pipelined_ms(model, inputs, device, steps)
