@@ -440,6 +440,12 @@ class StagingPlan:
     stats: RepeatLaunch  # K, V, KSUM, VMAX, Q, Q8, QS
     finalize: RepeatLaunch  # KSUM, VMAX, KMEAN, VSCALE, VINV
     quant_kv: RepeatLaunch  # K, KMEAN, K8, KS, V, V16, VINV, VT8
+    # Each launch's buffers, chosen once (a buffer the launch does not touch stands in where its mode stages none):
+    stats_out: tuple[torch.Tensor, ...]  # KSUM, VMAX
+    q_out: tuple[torch.Tensor, ...]  # Q8, QS
+    reduction_args: tuple[torch.Tensor, ...]  # KSUM, VMAX, KMEAN, VSCALE, VINV
+    k_out: tuple[torch.Tensor, ...]  # KMEAN, K8, KS
+    v_out: tuple[torch.Tensor, ...]  # V16, VINV, VT8
     pv: str
     block_m: int
     block_n: int
@@ -463,30 +469,18 @@ class StagingPlan:
         """Launch 1: K's and V's chunk statistics (partial sums of K, partial max|V| per channel) and, in the same
         launch, Q (unless the CUDA kernel quantises it): per-tile INT8 with the softmax scale * log2(e) folded into
         the scale."""
-        buf = self.buffers
-        ksum, k_mean, k8 = buf["k_sum_partial"], buf["k_mean"], buf["k8"]
-        vmax = buf["v_amax_partial"] if self.pv == "fp8" else ksum
-        q8, q_scale = (buf["q8"], buf["q_scale"]) if "q8" in buf else (k8, k_mean)  # no Q programs without them
-        self.stats(k, v, ksum, vmax, q, q8, q_scale)
+        self.stats(k, v, *self.stats_out, q, *self.q_out)
 
     def launch_reduction(self) -> None:
         """Launch 2: the per-head reduction of the partials (deterministic, no atomics): K's mean, V's scale and
         1/scale."""
-        buf = self.buffers
-        ksum, k_mean = buf["k_sum_partial"], buf["k_mean"]
-        with_v = self.pv == "fp8"
-        vmax, v_scale, v_inv = ((buf["v_amax_partial"], buf["v_scale"], buf["v_inv"]) if with_v else
-                                (ksum, k_mean, k_mean))
-        self.finalize(ksum, vmax, k_mean, v_scale, v_inv)
+        self.finalize(*self.reduction_args)
 
     def launch_kv_pass(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Launch 3: K less its token mean (softmax is invariant to it), per-block INT8, with the same tokens of V:
         per-channel FP8 e4m3 staged as V^T (the K-major B operand of the P.V MMA), or with v_fp16 a padded fp16 copy
         (fp16 mode otherwise reads V as it is: the Triton kernel)."""
-        buf = self.buffers
-        k8, with_v = buf["k8"], self.pv == "fp8"
-        self.quant_kv(k, buf["k_mean"], k8, buf["k_scale"], v, buf["v16"] if self.v_fp16 else k8,
-                      buf["v_inv"] if with_v else buf["k_mean"], buf["vt8"] if with_v else k8)
+        self.quant_kv(k, *self.k_out, v, *self.v_out)
 
     def staged(self, v: torch.Tensor) -> Sage2Staged:
         """The plan's buffers as the staging a run leaves in them (V passed through where nothing stages it)."""
@@ -527,6 +521,9 @@ def staging_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale:
     with_v = pv == "fp8"
     n_chunks = buf["k_sum_partial"].shape[1]
     n_stats = n_chunks * bsz * hkv
+    ksum, k_mean, k8 = buf["k_sum_partial"], buf["k_mean"], buf["k8"]
+    vmax, v_scale, v_inv = ((buf["v_amax_partial"], buf["v_scale"], buf["v_inv"]) if with_v else
+                            (ksum, k_mean, k_mean))
     return StagingPlan(
         buffers=buf,
         stats=RepeatLaunch(
@@ -542,4 +539,9 @@ def staging_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale:
             _quant_kv_kernel, (n_kb, bsz * hkv), (*k.stride(), *v.stride(), hkv, skv, skv_pad, n_kb),
             dict(BLOCK_N=block_n, HEAD_DIM=d, COPY_V=v_fp16, V_FP8=with_v, INTERPRETED=exact,
                  MMA_ORDER=v_mma_order, num_warps=warps)),
+        stats_out=(ksum, vmax),
+        q_out=(buf["q8"], buf["q_scale"]) if stage_q else (k8, k_mean),  # no Q programs run without them
+        reduction_args=(ksum, vmax, k_mean, v_scale, v_inv),
+        k_out=(k_mean, k8, buf["k_scale"]),
+        v_out=(buf["v16"] if v_fp16 else k8, v_inv, buf["vt8"] if with_v else k8),
         pv=pv, block_m=block_m, block_n=block_n, seq_q=sq, seq_kv=skv, v_fp16=v_fp16)
