@@ -34,7 +34,9 @@ its first call is the compile, reported as seconds; SD3Transformer2DModel has no
 so its `_no_split_modules`, JointTransformerBlock, are given as them); then for each profile: `attach` on the (compiled)
 model, timed (with `host_compiled` among the rows the model is compiled before attach, so its feed-forward sites are
 gated compiled, and `attached_eager` then runs that plan eager: leave `host_compiled` out or pass `--gate-compiled off`
-for a plan gated eager), with its peak extra and resident device memory; `attached_eager` (under
+for a plan gated eager), with its peak extra and resident device memory and the attach's own step check (`step`:
+host against attached on the example, paired; the figure that stands where a row would run past the budget);
+`attached_eager` (under
 `torch.compiler.set_stance("force_eager")`); `attached_compiled` (first call = the recompile), again under each of
 `--also-traced-int8`'s policies (`FLASH_CATALOG_TRACED_INT8`, dynamo reset before each); `detach`, then the
 exactness checks: eager and compiled outputs bit-equal to the host's, and the state dict equal to a fingerprint taken
@@ -860,12 +862,15 @@ class Bench:
         prof["weight_groups"] = [] if installation is None else [list(g) for g in installation.weight_groups]
         prof["timings"] = asdict(p.timings) if p.timings is not None else None
         prof["memory"] = p.memory()
+        prof["step"] = None if p.step is None else {**asdict(p.step), "outcome": p.step.outcome.value}
         self.report.save()
         log(f"attach {profile}: {prof['attach_s']:.1f} s, peak extra {fmt(prof['peak_extra_gb'], '.2f')} GB, "
             f"resident change {fmt(prof['resident_change_gb'], '+.2f')} GB, counts {prof['counts']}, "
             f"bound {prof['bound']}, plan memory {prof['memory']}, projections laid out together: "
             f"{len(prof['weight_groups'])} groups of {sum(map(len, prof['weight_groups']))} sites")
         log(f"attach {profile}: {p.timings.describe() if p.timings is not None else '-'}")
+        log(f"attach {profile}: {p.step.describe() if p.step is not None else 'step: -'}")  # the figure that stands
+        #                                                          where a compiled row would run past the budget
         return p
 
     def attached_eager(self, record: dict[str, Any]) -> None:
