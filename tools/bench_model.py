@@ -34,29 +34,28 @@ its first call is the compile, reported as seconds; SD3Transformer2DModel has no
 so its `_no_split_modules`, JointTransformerBlock, are given as them); then for each profile: `attach` on the (compiled)
 model, timed (with `host_compiled` among the rows the model is compiled before attach, so its feed-forward sites are
 gated compiled, and `attached_eager` then runs that plan eager: leave `host_compiled` out or pass `--gate-compiled off`
-for a plan gated eager), with its peak extra and resident device memory and the attach's own step check (`step`:
-host against attached on the example, paired; the figure that stands where a row would run past the budget);
-`attached_eager` (under
-`torch.compiler.set_stance("force_eager")`); `attached_compiled` (first call = the recompile), again under each of
-`--also-traced-int8`'s policies (`FLASH_CATALOG_TRACED_INT8`, dynamo reset before each); `detach`, then the
-exactness checks: eager and compiled outputs bit-equal to the host's, and the state dict equal to a fingerprint taken
-before any attach (per tensor: dtype, shape, device, and the float64 sum and 16 strided elements; nothing is copied
-whole); last, `peer_compiled`: the model built again from the seed (its fingerprint checked against the host's),
-torchao's `quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))` on every bf16 `nn.Linear`,
-and the same regional compile; on CUDA with torchao only (a benchmark-only extra: `pip install 'flash_catalog[bench]'`),
-else skipped with the reason. It runs last because torchao sets its recommended inductor options for the whole process.
-Each row: median ms over `--steps` timed calls (each synchronised; `steps_host_ms`: each one's time until the forward
-returned, the host's share of that very step), the same number of calls queued back to back ("piped
-ms": a sampling loop's rate), the median time until an unsynchronised call returns ("enqueue ms": Python's share; near
-the step's ms the host sets the pace), the GPU's clock, power, temperature and throttle reasons after them (`gpu_after`,
-from nvidia-smi), Python's garbage collections during them by generation (`gc_collections`: a full one can stall the
-host for tens of ms), its output's cosine against the host eager output, and with `--trace` one more call under
-torch.profiler (`trace`: the GPU's busy and idle ms within the step, its top kernels; tools/step_trace.py). Rows that
-would not finish within `--budget-s` (estimated from the host's step time) are skipped. The JSON is rewritten after
-every row; the tables come last, with the never-slower checks (`checks` in the JSON): each profile's attached eager row
-against the host eager, its attached compiled row against the host compiled (and its ratio to the peer where that ran),
-"ok" at 1.0x or more, else "SLOWER than the host"; an eager row of a plan gated compiled is "not held" (that plan is the
-compiling user's); a check says which of its rows are noisy (their steps spread by more than 10% of the median).
+for a plan gated eager), with its peak extra and resident device memory and the attach's own step check (`step`: host
+against attached on the example, paired; the figure that stands where a row would run past the budget); `attached_eager`
+(under `torch.compiler.set_stance("force_eager")`); `attached_compiled` (first call = the recompile), again under each
+of `--also-traced-int8`'s policies (`FLASH_CATALOG_TRACED_INT8`, dynamo reset before each); `detach`, then the exactness
+checks: eager and compiled outputs bit-equal to the host's, and the state dict equal to a fingerprint taken before any
+attach (per tensor: dtype, shape, device, and the float64 sum and 16 strided elements; nothing is copied whole); last,
+`peer_compiled`: the model built again from the seed (its fingerprint checked against the host's), torchao's
+`quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))` on every bf16 `nn.Linear`, and the
+same regional compile; on CUDA with torchao only (a benchmark-only extra: `pip install 'flash_catalog[bench]'`), else
+skipped with the reason. It runs last because torchao sets its recommended inductor options for the whole process. Each
+row: median ms over `--steps` timed calls (each synchronised; `steps_host_ms`: each one's time until the forward
+returned, the host's share of that very step), the same number of calls queued back to back ("piped ms": a sampling
+loop's rate), the median time until an unsynchronised call returns ("enqueue ms": Python's share; near the step's ms the
+host sets the pace), the GPU's clock, power, temperature and throttle reasons after them (`gpu_after`, from nvidia-smi),
+Python's garbage collections during them by generation (`gc_collections`: a full one can stall the host for tens of ms),
+its output's cosine against the host eager output, and with `--trace` one more call under torch.profiler (`trace`: the
+GPU's busy and idle ms within the step, its top kernels; tools/step_trace.py). Rows that would not finish within
+`--budget-s` (estimated from the host's step time) are skipped. The JSON is rewritten after every row; the tables come
+last, with the never-slower checks (`checks` in the JSON): each profile's attached eager row against the host eager, its
+attached compiled row against the host compiled (and its ratio to the peer where that ran), "ok" at 1.0x or more, else
+"SLOWER than the host"; an eager row of a plan gated compiled is "not held" (that plan is the compiling user's); a check
+says which of its rows are noisy (their steps spread by more than 10% of the median).
 
     python tools/bench_model.py --model wan480 [--profiles default,int8_balance_sage,fp8_balance_proj]
         [--rows host_eager,host_compiled,attached_eager,attached_compiled,peer_compiled] [--steps 3] [--warmup 1]
@@ -869,8 +868,8 @@ class Bench:
             f"bound {prof['bound']}, plan memory {prof['memory']}, projections laid out together: "
             f"{len(prof['weight_groups'])} groups of {sum(map(len, prof['weight_groups']))} sites")
         log(f"attach {profile}: {p.timings.describe() if p.timings is not None else '-'}")
-        log(f"attach {profile}: {p.step.describe() if p.step is not None else 'step: -'}")  # the figure that stands
-        #                                                          where a compiled row would run past the budget
+        # the attach's own step check: the figure that stands where a compiled row would run past the budget
+        log(f"attach {profile}: {p.step.describe() if p.step is not None else 'step: -'}")
         return p
 
     def attached_eager(self, record: dict[str, Any]) -> None:
