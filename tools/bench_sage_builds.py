@@ -131,6 +131,12 @@ def checked_args(ap: argparse.ArgumentParser, argv: list[str] | None) -> argpars
     return args
 
 
+def require_sm90(what: str) -> None:
+    """SystemExit unless this machine has an sm_90 GPU (an H100 or H200), where `what` runs."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        raise SystemExit(f"{what} runs on sm_90 (H100/H200); this machine has no such GPU")
+
+
 def before_file(args: argparse.Namespace, folder: Path, source: Path = cuda_kernel.SOURCE) -> Path:
     """The 'before' version of `source`: --before-source, or the file at --against's revision written into
     `folder`."""
@@ -219,8 +225,7 @@ def main(argv: list[str] | None = None) -> None:
         before_source = before_file(args, Path(folder))
         if args.q_in_kernel and not takes_q_raw(before_source):
             raise SystemExit(f"--q-in-kernel: {args.before_name}'s kernel takes no q_raw (it reads staged Q only)")
-        if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-            raise SystemExit("the sage2 CUDA kernel runs on sm_90 (H100/H200); this machine has no such GPU")
+        require_sm90("the sage2 CUDA kernel")
         builds = {"now": built(cuda_kernel.SOURCE, "current"), "before": built(before_source, args.before_name)}
         rows = []
         for shape in args.shapes:

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 import bench_sage  # noqa: E402
 from bench_sage_builds import (GRAPH_CALLS, alternating_medians, before_after_parser, checked_args,  # noqa: E402
-                               before_file, write_rows)
+                               before_file, require_sm90, write_rows)
 
 from flash_catalog.kernels.sage2 import cuda_kernel, quant  # noqa: E402
 
@@ -101,8 +101,7 @@ def main(argv: list[str] | None = None) -> None:
         modules = {"now": quant, "before": module_from(before_file(args, Path(folder), Path(quant.__file__)))}
     if args.without_q and "stage_q" not in inspect.signature(modules["before"].staging_plan).parameters:
         raise SystemExit(f"--without-q: {args.before_name}'s staging_plan takes no stage_q (it always stages Q)")
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        raise SystemExit("the staging is timed as the sm_90 CUDA kernel uses it (H100/H200); this machine has none")
+    require_sm90("the staging, timed as the CUDA kernel uses it,")
     rows = []
     for shape in args.shapes:
         rows.append(compare(shape, modules, args.rounds, stage_q=not args.without_q))
