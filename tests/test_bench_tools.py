@@ -70,7 +70,7 @@ def test_bench_model_image_hosts(model, tmp_path, fresh_clock):
     assert profile["status"] == "ok" and profile["detach_state_dict_equal"] and profile["detach_eager_equal"]
     # the attach's own step check, recorded whole (the figure where a row would not fit the budget)
     assert profile["step"]["outcome"] in {o.value for o in StepOutcome}
-    assert profile["step"]["outcome"] == "not checked" or finite(profile["step"]["speedup"])
+    assert profile["step"]["outcome"] == StepOutcome.NOT_CHECKED.value or finite(profile["step"]["speedup"])
     # the never-slower check: the attached eager row against the host eager one (no compiled rows ran here)
     (check,) = data["checks"]
     assert (check["row"], check["profile"], check["against"]) == ("attached eager", "default", "host eager")
