@@ -141,7 +141,7 @@ def test_the_source_compiles_for_sm90a_with_the_nvcc_found_here(tmp_path, monkey
         # the host-side checks run before any CUDA call: the typed launcher reaches them and reports the reason
         launch = sage2_cuda.launcher(built.library)
         shapes = (1, 2, 2, 64, 64, 128, 128)  # batch, hq, hkv, sq, sq_pad, skv, skv_pad
-        no_q = (None, 0, 0, 0, 0, 0.0)  # q_raw, its strides, q_bf16, q_scale_mult: Q staged
+        no_q = (None, 0, 0, 0, 0, 0.0, 0)  # q_raw, its strides, q_bf16, q_scale_mult: Q staged; pdl off
         with pytest.raises(RuntimeError, match=r"refused the launch: head_dim must be 64 or 128$"):
             launch(0, 0, 0, 0, 0, 0, 0, 0, 1, *shapes, 96, 0, 0, 0, 0, 0, 2, 1, 0, 0, 0, *no_q)
         with pytest.raises(RuntimeError, match=r"query heads must be a multiple of key/value heads$"):
@@ -161,7 +161,7 @@ def test_the_source_compiles_for_sm90a_with_the_nvcc_found_here(tmp_path, monkey
             launch(0, 0, 0, 0, 0, 8, 0, 0, 1, *shapes, 128, 0, 0, 0, 0, 0, 2, 1, 0, 0, 0, *no_q)
         with pytest.raises(RuntimeError, match=r"q_raw: its pointer and its strides in bytes must be multiples of 16$"):
             launch(0, 0, 0, 0, 0, 8, 0, 0, 1, *shapes, 128, 0, 0, 0, 0, 0, 2, 1, 0, 0, 0, 64, 8192, 4100, 128, 1,
-                   0.1)
+                   0.1, 0)
     finally:
         forget_builds()
 
@@ -466,3 +466,41 @@ def test_q_quantised_in_the_kernel_gives_the_staged_qs_bits(b, hq, hkv, sq, skv,
     assert not sage2_cuda.q_in_kernel_serves(odd)
     assert any(key.name == "q8" for key in sage2_cuda.staging_keys(odd, k, pv, causal))
     assert torch.equal(sage2_cuda.sage2_cuda_attention(odd, k, v, pv=pv, is_causal=causal), out)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("pv", ["fp8", "fp16"])
+@pytest.mark.parametrize("b,hq,hkv,sq,skv,d,q_in_kernel", [
+    (1, 24, 24, 4608, 4608, 128, True), (2, 6, 2, 333, 1500, 64, True), (1, 4, 2, 700, 700, 128, False)])
+def test_dependent_launches_give_the_waiting_launches_bits(b, hq, hkv, sq, skv, d, q_in_kernel, pv):
+    """With programmatic dependent launches (the staging's reduction and K/V pass, the kernel and the split's
+    combine each placed while the launch before ends) a call gives the bits of launches that wait for the one
+    before: two inputs alternating through one prepared call, 16 calls queued back to back on the stream and in a
+    CUDA graph, so that a launch reading its predecessor's outputs early would read the other input's staging."""
+    from flash_catalog.kernels.staging import StagingPool
+
+    g = torch.Generator(device="cuda").manual_seed(sq + skv + d)
+    inputs = [tuple(torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=g) * scale + shift
+                    for h, s, scale, shift in ((hq, sq, 3.0, 0.0), (hkv, skv, 1.0, 0.5 * i), (hkv, skv, 1.0, 0.0)))
+              for i in range(2)]
+    calls = {pdl: sage2_cuda.prepare_cuda_attention(*inputs[0], pv=pv, staging=StagingPool(), pdl=pdl,
+                                                    q_in_kernel=q_in_kernel)
+             for pdl in (True, False)}
+    assert calls[True].launch.pdl and calls[True].staging.pdl
+    assert not calls[False].launch.pdl and not calls[False].staging.pdl
+    expected = [calls[False](*x).clone() for x in inputs]
+    queued = [calls[True](*inputs[i % 2]) for i in range(16)]
+    assert all(torch.equal(out, expected[i % 2]) for i, out in enumerate(queued))
+    graph_outs = []
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        calls[True](*inputs[0])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_outs = [calls[True](*inputs[i % 2]) for i in range(16)]
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(out, expected[i % 2]) for i, out in enumerate(graph_outs))

@@ -263,3 +263,18 @@ def test_fp16_v_staging_for_the_gluon_kernel():
     with pytest.raises(ValueError, match="v_fp16=True stages V for pv='fp16'; got pv='fp8'"):
         quantize_qkv(q, k, v, pv="fp8", block_m=64, block_n=128, v_fp16=True)
     pool.release()
+
+
+@pytest.mark.interpreter
+def test_the_interpreter_stages_without_dependent_launches():
+    """Programmatic dependent launches are a GPU's: under the interpreter a plan asked for them launches plainly,
+    and stages what a plan without them stages."""
+    from flash_catalog.kernels.sage2.quant import staging_plan
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 70, 64, generator=g).half() for _ in range(3))
+    plans = {pdl: staging_plan(q, k, v, pv="fp8", block_m=64, block_n=128, v_mma_order=True, stage_q=False,
+                               pdl=pdl) for pdl in (True, False)}
+    assert not plans[True].pdl and not plans[False].pdl
+    staged = {pdl: plan.run(q, k, v) for pdl, plan in plans.items()}
+    assert torch.equal(staged[True].k8, staged[False].k8) and torch.equal(staged[True].v, staged[False].v)

@@ -171,7 +171,7 @@ def launcher(lib: ctypes.CDLL) -> Launcher:
     launch, error = lib.fc_sage2_sm90, lib.fc_sage2_sm90_error
     p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
     launch.argtypes = [p, p, p, p, p, p, p, p, i, i, i, i, i, i, i, i, i, ll, ll, ll, i, i, i, i, p, p, p,
-                       p, ll, ll, ll, i, ctypes.c_float]
+                       p, ll, ll, ll, i, ctypes.c_float, i]
     launch.restype = i
     error.argtypes = []
     error.restype = ctypes.c_char_p
@@ -229,7 +229,9 @@ class KernelLaunch:
     """The kernel's launch for one staging and output layout, but for the output's, log-sum-exp's and (with
     `q_in_kernel`) Q's pointers and the stream: the arguments of `fc_sage2_sm90` before the output (`head`), between
     the log-sum-exp and the stream (`tail`) and after Q's pointer (`q_tail`), and the tensors they point into
-    (`holds`: the split's scratch, which nothing else may keep alive)."""
+    (`holds`: the split's scratch, which nothing else may keep alive). `pdl`: launched as a programmatic dependent
+    of the stream's previous kernel (the staging's K/V pass), so that it starts, and quantises Q, while that one
+    ends."""
 
     launcher: Launcher
     device: torch.device
@@ -238,13 +240,14 @@ class KernelLaunch:
     q_tail: tuple[int | float, ...]
     q_in_kernel: bool
     holds: tuple[torch.Tensor, ...]
+    pdl: bool
 
     def __call__(self, out: torch.Tensor, lse: torch.Tensor | None, q: torch.Tensor | None = None) -> None:
         """Launch on the current device, which must be the tensors' (`on_device`); `q`: the call's Q, where the
         kernel quantises it (`q_in_kernel`), else unused."""
         self.launcher(*self.head, out.data_ptr(), lse.data_ptr() if lse is not None else None, *self.tail,
                       torch._C._cuda_getCurrentRawStream(self.device.index),  # not a Stream object per call
-                      q.data_ptr() if self.q_in_kernel else None, *self.q_tail)
+                      q.data_ptr() if self.q_in_kernel else None, *self.q_tail, int(self.pdl))
 
 
 def on_device(device: torch.device) -> contextlib.AbstractContextManager[object]:
@@ -257,10 +260,12 @@ def on_device(device: torch.device) -> contextlib.AbstractContextManager[object]
 
 
 def kernel_launch(staged: Sage2Staged, out_dtype: torch.dtype, out_strides: tuple[int, ...], is_causal: bool,
-                  split: bool, staging: StagingPool | None, q_in_kernel: QInKernel | None = None) -> KernelLaunch:
+                  split: bool, staging: StagingPool | None, q_in_kernel: QInKernel | None = None,
+                  pdl: bool = False) -> KernelLaunch:
     """The `KernelLaunch` of the kernel on `staged` (checked by `_check_staging`) writing a (B, Hq, Sq, D) output of
     `out_strides`: its split plan, with the split's scratch from `staging` (or fresh). With `q_in_kernel` the
-    staging holds no Q (`stage_q=False`) and the kernel quantises the Q passed at each launch."""
+    staging holds no Q (`stage_q=False`) and the kernel quantises the Q passed at each launch. `pdl`: see
+    `KernelLaunch`; only where the stream's previous kernel writes nothing of that Q."""
     built = build()
     if built.library is None:
         raise RuntimeError(f"the sage2 CUDA kernel is unavailable: {built.detail}")
@@ -286,7 +291,7 @@ def kernel_launch(staged: Sage2Staged, out_dtype: torch.dtype, out_strides: tupl
     holds = tuple(t for t in (part_o, part_lse) if t is not None)
     q_tail = ((*q_in_kernel.strides, int(q_in_kernel.bf16), q_in_kernel.scale_mult) if q_in_kernel is not None
               else (0, 0, 0, 0, 0.0))
-    return KernelLaunch(launcher(built.library), device, head, tail, q_tail, q_in_kernel is not None, holds)
+    return KernelLaunch(launcher(built.library), device, head, tail, q_tail, q_in_kernel is not None, holds, pdl)
 
 
 def sage2_cuda_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, is_causal: bool = False,
@@ -349,8 +354,10 @@ class CudaAttention:
 def prepare_cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
                            pv: str = "fp8", is_causal: bool = False, staging: StagingPool | None = None,
                            return_lse: bool = False, out_layout: str = "bhsd",
-                           q_in_kernel: bool = True) -> CudaAttention:
-    """The `CudaAttention` of `sage2_cuda_attention(q, k, v, ...)` (the same arguments, checked here)."""
+                           q_in_kernel: bool = True, pdl: bool = True) -> CudaAttention:
+    """The `CudaAttention` of `sage2_cuda_attention(q, k, v, ...)` (the same arguments, checked here). `pdl`: the
+    staging's later launches and the kernel start as programmatic dependents of the launch before each
+    (`StagingPlan.pdl`, `KernelLaunch.pdl`); False launches each after the last has ended."""
     validate_inputs(q, k, v, pv=pv, scale=scale, is_causal=is_causal)
     why = cuda_refusal(q, pv)
     if why is not None:
@@ -363,8 +370,8 @@ def prepare_cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         return CudaAttention(None, None, out_shape, out_layout, return_lse, sm_scale)
     raw_q = QInKernel.of(q, sm_scale) if q_in_kernel and q_in_kernel_serves(q) else None
     plan = staging_plan(q, k, v, sm_scale=sm_scale, pv=pv, block_m=STAGING_TILES[0], block_n=STAGING_TILES[1],
-                        validate=False, staging=staging, stage_q=raw_q is None, **staging_options(pv))
-    launch = kernel_launch(plan.staged(v), q.dtype, strides, is_causal, True, staging, raw_q)
+                        validate=False, staging=staging, stage_q=raw_q is None, pdl=pdl, **staging_options(pv))
+    launch = kernel_launch(plan.staged(v), q.dtype, strides, is_causal, True, staging, raw_q, pdl)
     return CudaAttention(plan, launch, out_shape, out_layout, return_lse, sm_scale)
 
 

@@ -9,6 +9,7 @@ from typing import Sequence
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..interpreter import interpreted
 from ..magic import MAGIC_FLOAT
@@ -256,8 +257,11 @@ def _finalize_step(KSUM, VMAX, ksum, vmax, base, c0, N_CHUNKS, offs_c, offs_d,
 @triton.jit
 def _kv_stats_finalize_kernel(KSUM, VMAX, KMEAN, VSCALE, VINV, N_CHUNKS, SEQ_KV,
                               BLOCK_C: tl.constexpr, HEAD_DIM: tl.constexpr, WITH_V: tl.constexpr,
-                              INTERPRETED: tl.constexpr):
+                              INTERPRETED: tl.constexpr, PDL: tl.constexpr = False):
     """Reduce the chunk partials of one (batch, kv head): mean of K, and V's per-channel scale and 1/scale."""
+    if PDL:  # launched as a programmatic dependent of the statistics (`StagingPlan.pdl`)
+        gdc_launch_dependents()
+        gdc_wait()
     pid_bh = tl.program_id(0)
     offs_c = tl.arange(0, BLOCK_C)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -293,20 +297,25 @@ def _quant_int8_block(X, MEAN, XQ, XS, V, V16, pid_m, pid_bh,
                       stride_xb, stride_xh, stride_xs, stride_xd,
                       stride_vb, stride_vh, stride_vs, stride_vd,
                       H, SEQ, SEQ_PAD, N_BLOCKS, scale_mult,
-                      BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, SUB_MEAN: tl.constexpr, COPY_V: tl.constexpr):
+                      BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, SUB_MEAN: tl.constexpr, COPY_V: tl.constexpr,
+                      x_loaded=0.0, LOADED: tl.constexpr = False):
     """Block pid_m (BLOCK tokens) of (batch, head) pid_bh: optional mean subtraction, then symmetric INT8 with one
     scale.
 
     Rows past SEQ are written as zeros (the attention kernel reads the padded buffer without masks); the stored
     scale is max|x|/127 * scale_mult (scale_mult folds the softmax scale and log2(e) into Q's scale). With COPY_V
-    (K's pass, Gluon fp16 P.V) the same rows of V are copied to the padded fp16 V16 in the same pass."""
+    (K's pass, Gluon fp16 P.V) the same rows of V are copied to the padded fp16 V16 in the same pass. LOADED: the
+    block's tokens are `x_loaded` (fp32, rows past SEQ zero), already read by the caller."""
     b = pid_bh // H
     h = pid_bh % H
     rows = pid_m * BLOCK + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, HEAD_DIM)
     valid = (rows < SEQ)[:, None]
-    ptr = _token_tile(X, b, h, rows, offs_d, stride_xb, stride_xh, stride_xs, stride_xd)
-    x = tl.load(ptr, mask=valid, other=0.0).to(tl.float32)
+    if LOADED:
+        x = x_loaded
+    else:
+        x = tl.load(_token_tile(X, b, h, rows, offs_d, stride_xb, stride_xh, stride_xs, stride_xd), mask=valid,
+                    other=0.0).to(tl.float32)
     if SUB_MEAN:
         mean = tl.load(MEAN + pid_bh.to(tl.int64) * HEAD_DIM + offs_d)
         x = tl.where(valid, x - mean[None, :], 0.0)
@@ -325,27 +334,39 @@ def _quant_int8_block(X, MEAN, XQ, XS, V, V16, pid_m, pid_bh,
 
 
 @triton.jit
-def _quant_v_fp8_block(V, VINV, VT8, pid_t, pid_bh,
-                       stride_vb, stride_vh, stride_vs, stride_vd,
-                       H_KV, SEQ_KV, SEQ_PAD,
-                       BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr, INTERPRETED: tl.constexpr,
-                       MMA_ORDER: tl.constexpr):
-    """Block pid_t (BLOCK_T tokens) of (batch, kv head) pid_bh: per-channel FP8 e4m3, stored transposed as V^T[d, t].
-    MMA_ORDER: within every 32 tokens, token 8a + 2t + b goes to column 16(a >> 1) + 4t + 2(a & 1) + b, the k-index
-    at which the CUDA kernel's FP8 MMA meets the P value its score registers hold for that token. The tokens are
-    gathered in that order (whole rows) so that the stores stay contiguous: scattering the bytes on the store
-    measured about ten times slower."""
+def _v_fp8_tokens(V, pid_t, pid_bh, stride_vb, stride_vh, stride_vs, stride_vd, H_KV, SEQ_KV,
+                  BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr, MMA_ORDER: tl.constexpr):
+    """The BLOCK_T tokens of block pid_t of (batch, kv head) pid_bh as fp32 (rows past SEQ_KV zero), in the order
+    `_quant_v_fp8_block` stores them."""
     b = pid_bh // H_KV
     h = pid_bh % H_KV
-    cols = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    rows = cols
+    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     if MMA_ORDER:  # column k = 16A + 4t + 2a + b holds token 16A + 8a + 2t + b of its 32
         k = tl.arange(0, BLOCK_T)
         rows = pid_t * BLOCK_T + (k // 16) * 16 + ((k // 2) % 2) * 8 + ((k // 4) % 4) * 2 + k % 2
     offs_d = tl.arange(0, HEAD_DIM)
-    valid = (rows < SEQ_KV)[:, None]
     ptr = _token_tile(V, b, h, rows, offs_d, stride_vb, stride_vh, stride_vs, stride_vd)
-    x = tl.load(ptr, mask=valid, other=0.0).to(tl.float32)
+    return tl.load(ptr, mask=(rows < SEQ_KV)[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _quant_v_fp8_block(V, VINV, VT8, pid_t, pid_bh,
+                       stride_vb, stride_vh, stride_vs, stride_vd,
+                       H_KV, SEQ_KV, SEQ_PAD,
+                       BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr, INTERPRETED: tl.constexpr,
+                       MMA_ORDER: tl.constexpr, x_loaded=0.0, LOADED: tl.constexpr = False):
+    """Block pid_t (BLOCK_T tokens) of (batch, kv head) pid_bh: per-channel FP8 e4m3, stored transposed as V^T[d, t].
+    MMA_ORDER: within every 32 tokens, token 8a + 2t + b goes to column 16(a >> 1) + 4t + 2(a & 1) + b, the k-index
+    at which the CUDA kernel's FP8 MMA meets the P value its score registers hold for that token. The tokens are
+    gathered in that order (whole rows) so that the stores stay contiguous: scattering the bytes on the store
+    measured about ten times slower. LOADED: the tokens are `x_loaded` (`_v_fp8_tokens`), already read."""
+    cols = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, HEAD_DIM)
+    if LOADED:
+        x = x_loaded
+    else:
+        x = _v_fp8_tokens(V, pid_t, pid_bh, stride_vb, stride_vh, stride_vs, stride_vd, H_KV, SEQ_KV, BLOCK_T,
+                          HEAD_DIM, MMA_ORDER)
     inv = tl.load(VINV + pid_bh.to(tl.int64) * HEAD_DIM + offs_d)
     y = tl.minimum(tl.maximum(x * inv[None, :], -448.0), 448.0)
     if INTERPRETED:  # make the fp8 cast exact: the interpreter's own fp32->e4m3 rounding is wrong
@@ -362,10 +383,12 @@ def _stats_and_q_kernel(K, V, KSUM, VMAX, Q, Q8, QS,
                         stride_qb, stride_qh, stride_qs, stride_qd,
                         H_KV, SEQ_KV, N_CHUNKS, N_STATS, HQ, SEQ_Q, SQ_PAD, N_QB, q_scale_mult,
                         CHUNK: tl.constexpr, SUB: tl.constexpr, HEAD_DIM: tl.constexpr, WITH_V: tl.constexpr,
-                        BLOCK_M: tl.constexpr):
+                        BLOCK_M: tl.constexpr, PDL: tl.constexpr = False):
     """The staging's first launch, a program each: [0, N_STATS) K's and V's chunk statistics (chunk fastest), then
     Q's tiles of BLOCK_M rows (tile fastest), INT8 with q_scale_mult folded into the scale. Q's pass needs no
     statistics, so it runs beside theirs, whose few programs leave the GPU's memory idle at short sequences."""
+    if PDL:  # the reduction, a programmatic dependent, may be placed as soon as every program here has started
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     if pid < N_STATS:
         _kv_stats_chunk(K, V, KSUM, VMAX, pid % N_CHUNKS, pid // N_CHUNKS,
@@ -384,18 +407,35 @@ def _quant_kv_kernel(K, KMEAN, K8, KS, V, V16, VINV, VT8,
                      stride_vb, stride_vh, stride_vs, stride_vd,
                      H_KV, SEQ_KV, SKV_PAD, N_KB,
                      BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, COPY_V: tl.constexpr, V_FP8: tl.constexpr,
-                     INTERPRETED: tl.constexpr, MMA_ORDER: tl.constexpr):
+                     INTERPRETED: tl.constexpr, MMA_ORDER: tl.constexpr, PDL: tl.constexpr = False):
     """K's and V's pass: one tile of BLOCK_N tokens of one (batch, kv head) per program, K less its mean as INT8 and
     the same tokens of V (V_FP8: per-channel e4m3 V^T; COPY_V: padded fp16). Q has its own launch: beside this
     pass's registers and V's transpose its programs ran slower (measured at S=16k, D=128)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
+    if PDL:  # a programmatic dependent of the reduction, and the attention kernel one of this pass
+        gdc_launch_dependents()
+        # K's and V's tokens are the caller's, which no staging launch writes: read while the reduction may still
+        # run; its mean and scales only after the wait
+        rows = pid_m * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, HEAD_DIM)
+        x = tl.load(_token_tile(K, pid_bh // H_KV, pid_bh % H_KV, rows, offs_d, stride_kb, stride_kh, stride_ks,
+                                stride_kd), mask=(rows < SEQ_KV)[:, None], other=0.0).to(tl.float32)
+        if V_FP8:
+            vx = _v_fp8_tokens(V, pid_m, pid_bh, stride_vb, stride_vh, stride_vs, stride_vd, H_KV, SEQ_KV, BLOCK_N,
+                               HEAD_DIM, MMA_ORDER)
+        else:
+            vx = 0.0
+        gdc_wait()
+    else:
+        x = 0.0
+        vx = 0.0
     _quant_int8_block(K, KMEAN, K8, KS, V, V16, pid_m, pid_bh,
                       stride_kb, stride_kh, stride_ks, stride_kd, stride_vb, stride_vh, stride_vs, stride_vd,
-                      H_KV, SEQ_KV, SKV_PAD, N_KB, 1.0, BLOCK_N, HEAD_DIM, True, COPY_V)
+                      H_KV, SEQ_KV, SKV_PAD, N_KB, 1.0, BLOCK_N, HEAD_DIM, True, COPY_V, x, PDL)
     if V_FP8:
         _quant_v_fp8_block(V, VINV, VT8, pid_m, pid_bh, stride_vb, stride_vh, stride_vs, stride_vd,
-                           H_KV, SEQ_KV, SKV_PAD, BLOCK_N, HEAD_DIM, INTERPRETED, MMA_ORDER)
+                           H_KV, SEQ_KV, SKV_PAD, BLOCK_N, HEAD_DIM, INTERPRETED, MMA_ORDER, vx, PDL)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -452,6 +492,9 @@ class StagingPlan:
     seq_q: int
     seq_kv: int
     v_fp16: bool
+    # The reduction and the K/V pass are programmatic dependent launches (Hopper's PDL): each may be placed on the GPU
+    # while the launch before it ends, and waits for it before reading anything; the statistics start as any launch.
+    pdl: bool
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Sage2Staged:
         """Stage q, k, v into the plan's buffers (`launch`) and describe them (`staged`)."""
@@ -495,8 +538,10 @@ class StagingPlan:
 def staging_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
                  pv: str = "fp8", block_m: int = 128, block_n: int = 64, num_warps: int | None = None,
                  validate: bool = True, staging: StagingPool | None = None, v_fp16: bool = False,
-                 v_mma_order: bool = False, stage_q: bool = True) -> StagingPlan:
-    """The `StagingPlan` of `quantize_qkv(q, k, v, ...)` (the same arguments, checked here)."""
+                 v_mma_order: bool = False, stage_q: bool = True, pdl: bool = True) -> StagingPlan:
+    """The `StagingPlan` of `quantize_qkv(q, k, v, ...)` (the same arguments, checked here). `pdl`: launch the
+    reduction and the K/V pass as programmatic dependents of the launch before each (`StagingPlan.pdl`); never
+    under the interpreter, which has no such launches."""
     if validate:
         validate_inputs(q, k, v, pv=pv, scale=sm_scale)
     for name, blk in (("block_m", block_m), ("block_n", block_n)):
@@ -518,6 +563,7 @@ def staging_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale:
     n_qb, n_kb = sq_pad // block_m, skv_pad // block_n
     warps = num_warps if num_warps is not None else (8 if d == 128 else 4)
     exact = interpreter_active()
+    pdl = pdl and not exact
     with_v = pv == "fp8"
     n_chunks = buf["k_sum_partial"].shape[1]
     n_stats = n_chunks * bsz * hkv
@@ -531,17 +577,17 @@ def staging_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale:
             (*k.stride(), *v.stride(), *q.stride(), hkv, skv, n_chunks, n_stats, hq, sq, sq_pad, n_qb,
              float(sm_scale) * LOG2E),
             dict(CHUNK=stats_chunk(skv, bsz * hkv), SUB=STATS_SUB, HEAD_DIM=d, WITH_V=with_v, BLOCK_M=block_m,
-                 num_warps=STAGE1_WARPS)),
+                 PDL=pdl, num_warps=STAGE1_WARPS)),
         finalize=RepeatLaunch(
             _kv_stats_finalize_kernel, (bsz * hkv,), (n_chunks, skv),
-            dict(BLOCK_C=16, HEAD_DIM=d, WITH_V=with_v, INTERPRETED=exact, num_warps=4)),
+            dict(BLOCK_C=16, HEAD_DIM=d, WITH_V=with_v, INTERPRETED=exact, PDL=pdl, num_warps=4, launch_pdl=pdl)),
         quant_kv=RepeatLaunch(
             _quant_kv_kernel, (n_kb, bsz * hkv), (*k.stride(), *v.stride(), hkv, skv, skv_pad, n_kb),
             dict(BLOCK_N=block_n, HEAD_DIM=d, COPY_V=v_fp16, V_FP8=with_v, INTERPRETED=exact,
-                 MMA_ORDER=v_mma_order, num_warps=warps)),
+                 MMA_ORDER=v_mma_order, PDL=pdl, num_warps=warps, launch_pdl=pdl)),
         stats_out=(ksum, vmax),
         q_out=(buf["q8"], buf["q_scale"]) if stage_q else (k8, k_mean),  # no Q programs run without them
         reduction_args=(ksum, vmax, k_mean, v_scale, v_inv),
         k_out=(k_mean, k8, buf["k_scale"]),
         v_out=(buf["v16"] if v_fp16 else k8, v_inv, buf["vt8"] if with_v else k8),
-        pv=pv, block_m=block_m, block_n=block_n, seq_q=sq, seq_kv=skv, v_fp16=v_fp16)
+        pv=pv, block_m=block_m, block_n=block_n, seq_q=sq, seq_kv=skv, v_fp16=v_fp16, pdl=pdl)

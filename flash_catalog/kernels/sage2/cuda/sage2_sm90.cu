@@ -67,6 +67,14 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// Programmatic dependent launch: grid_wait returns once the grids this one depends on have finished and their
+// writes are visible (at once where it was launched without the attribute); grid_launch_dependents lets the next
+// such grid on the stream start before this one ends.
+__device__ __forceinline__ void grid_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void grid_launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
 }
@@ -278,6 +286,9 @@ struct Params {
   long long stride_qb, stride_qh, stride_qs;
   int q_bf16;
   float q_scale_mult;  // softmax scale * log2(e), folded into the tile's scale
+  // Launched as a programmatic dependent of the kernel before it on the stream (the staging's K/V pass): its CTAs
+  // may start while that one ends, and wait (grid_wait) before reading anything it writes.
+  int pdl;
 };
 
 template <int D, int NC, int STAGES, bool PV16>
@@ -519,6 +530,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
 
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
+    grid_launch_dependents();  // the combine kernel may be placed as SMs free up; it waits for this grid
 #pragma unroll
     for (int i = 0; i < STAGES; ++i) {
       mbar_init(&sm.full[i], 1);
@@ -536,6 +548,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
   if (wg == 0) {  // producer: one thread issues every TMA load
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
     if (threadIdx.x == 0) {
+      grid_wait();  // the staging's outputs: nothing it writes is read before this
       if (prm.q_raw == nullptr) {  // staged Q; else the consumers quantise it themselves
         mbar_expect_tx(&sm.q_full, kRows * D);
 #pragma unroll
@@ -565,9 +578,15 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
   const int tid = threadIdx.x % 128;
   const int lane = tid % 32;
   const int r0 = m_base + cw * 64 + (tid / 32) * 16 + lane / 4;
-  const float q_scale =
+  // Q as the caller passed it is no output of the staging: quantised before the wait, while the staging may still run
+  const float q_scale_raw =
       prm.q_raw != nullptr
           ? quantize_q_tile<D>(prm, sm.q + cw * 64 * D, sm.q_amax[cw], b, h, m_base + cw * 64, tid, cw)
+          : 0.0f;
+  grid_wait();
+  const float q_scale =
+      prm.q_raw != nullptr
+          ? q_scale_raw
           : prm.q_scale[static_cast<long long>(bh) * prm.n_qb + min(m_block * NC + cw, prm.n_qb - 1)];
   const float* k_scale = prm.k_scale + static_cast<long long>(bhk) * prm.n_kb;
   const uint64_t desc_q = smem_desc(sm.q + cw * 64 * D, D);
@@ -702,6 +721,7 @@ __global__ void __launch_bounds__(128) combine_kernel(const Params prm) {
   constexpr int kPer = D / 32;  // channels per lane
   const long long warp = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
+  grid_wait();  // the attention kernel's parts
   if (warp >= static_cast<long long>(prm.n_tiles - prm.n_full) * kRows) return;
   const int ti = static_cast<int>(warp / kRows);
   const int local = static_cast<int>(warp % kRows);
@@ -789,14 +809,24 @@ int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, 
   const int smem = static_cast<int>(sizeof(SharedStorage<D, NC, STAGES, PV16>)) + 1024;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return fail(3, cudaGetErrorString(err));
-  const int ctas = prm.n_full + (prm.n_tiles - prm.n_full) * prm.n_split;
-  kernel<<<ctas, 128 * (NC + 1), smem, stream>>>(tq, tk, tv, prm);
-  err = cudaGetLastError();
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(prm.n_full + (prm.n_tiles - prm.n_full) * prm.n_split));
+  cfg.blockDim = dim3(128 * (NC + 1));
+  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
+  cfg.stream = stream;
+  cfg.attrs = &attr;
+  cfg.numAttrs = prm.pdl ? 1 : 0;
+  err = cudaLaunchKernelEx(&cfg, kernel, tq, tk, tv, prm);
   if (err != cudaSuccess) return fail(4, cudaGetErrorString(err));
   if (prm.n_full < prm.n_tiles) {
     const long long threads = static_cast<long long>(prm.n_tiles - prm.n_full) * 64 * NC * 32;
-    combine_kernel<D, NC><<<static_cast<unsigned>((threads + 127) / 128), 128, 0, stream>>>(prm);
-    err = cudaGetLastError();
+    cfg.gridDim = dim3(static_cast<unsigned>((threads + 127) / 128));
+    cfg.blockDim = dim3(128);
+    cfg.dynamicSmemBytes = 0;
+    err = cudaLaunchKernelEx(&cfg, combine_kernel<D, NC>, prm);
     if (err != cudaSuccess) return fail(4, cudaGetErrorString(err));
   }
   return 0;
@@ -833,14 +863,16 @@ const char* fc_sage2_sm90_error() { return g_error; }
 // q_raw, where not null, is the caller's Q itself ((B, Hq, sq, D) fp16 (q_bf16 = 0) or bf16 (1) with element
 // strides stride_qb, stride_qh, stride_qs and unit stride along D, 16-byte aligned rows): the kernel quantises it as
 // the staging would, with q_scale_mult (softmax scale * log2(e)) folded into the scales; q8 and q_scale are then
-// unused (null). These come last so that callers of builds without them keep their argument order.
+// unused (null). These come last so that callers of builds without them keep their argument order. pdl != 0:
+// launch as a programmatic dependent of the stream's previous kernel, which must write nothing of Q as passed
+// (q_raw is read before the wait); the staging's K/V pass does not.
 // Returns 0, or a nonzero code with fc_sage2_sm90_error() saying why.
 int fc_sage2_sm90(const void* q8, const void* k8, const void* v, const float* q_scale, const float* k_scale,
                   const float* v_scale, void* out, float* lse, int out_bf16, int batch, int hq, int hkv, int sq,
                   int sq_pad, int skv, int skv_pad, int head_dim, long long stride_ob, long long stride_oh,
                   long long stride_os, int causal, int pv_fp16, int n_full, int n_split, float* part_o,
                   float* part_lse, void* stream, const void* q_raw, long long stride_qb, long long stride_qh,
-                  long long stride_qs, int q_bf16, float q_scale_mult) {
+                  long long stride_qs, int q_bf16, float q_scale_mult, int pdl) {
   if (head_dim != 64 && head_dim != 128) return fail(1, "head_dim must be 64 or 128");
   if (hkv <= 0 || hq % hkv != 0) return fail(1, "query heads must be a multiple of key/value heads");
   if (sq <= 0 || skv <= 0 || sq_pad % 64 != 0 || skv_pad % kBlockN != 0 || sq_pad < sq || skv_pad < skv)
@@ -871,7 +903,7 @@ int fc_sage2_sm90(const void* q8, const void* k8, const void* v, const float* q_
   const Params prm{q_scale, k_scale, v_scale, out, lse, stride_ob, stride_oh, stride_os,
                    hq, hkv, sq, skv, sq_pad / 64, skv_pad / kBlockN, out_bf16, n_mb,
                    static_cast<int>(n_tiles), n_full, splits ? n_split : 1, part_o, part_lse,
-                   q_raw, stride_qb, stride_qh, stride_qs, q_bf16, q_scale_mult};
+                   q_raw, stride_qb, stride_qh, stride_qs, q_bf16, q_scale_mult, pdl != 0};
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   if (head_dim == 128) return launch_pv<128, kConsumers, 4>(tq, tk, tv, prm, batch, sq_pad, causal, pv_fp16, st);
   return launch_pv<64, kConsumers, 6>(tq, tk, tv, prm, batch, sq_pad, causal, pv_fp16, st);
