@@ -3,7 +3,7 @@ hosts' rows, the torchao peer recorded as skipped with its reason where it canno
 benchmark-only extra), the drift check's cosine and PSNR fields, TiRex-2's host timed again after detach. Eager rows
 only: a compiled row on the CPU costs a minute of inductor. tools/bench_gemm_gluon.py refuses a machine without an
 sm_90 GPU by name, and tools/bench_quant_rows.py one without CUDA; tools/bench_sage_builds.py checks its arguments
-and finds the kernel's source at a git revision."""
+and finds the kernel's source at a git revision; tools/bench_sage_pdl.py checks its arguments."""
 
 import json
 import math
@@ -309,6 +309,19 @@ def test_bench_sage_builds_checks_its_arguments_and_reads_the_kernel_at_a_revisi
         return  # a tree copied without its history: --before-source is the way there
     source = bench_sage_builds.source_at("HEAD", tmp_path)
     assert source.parent == tmp_path and "int fc_sage2_sm90(" in source.read_text()
+
+
+def test_bench_sage_pdl_checks_its_arguments_and_refuses_a_machine_without_sm90(capsys):
+    import bench_sage_pdl
+
+    with pytest.raises(SystemExit):
+        bench_sage_pdl.main(["--shapes", "1x24x4608x96"])
+    assert "head_dim 64 or 128" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--rounds 0: want at least 1"):
+        bench_sage_pdl.main(["--rounds", "0"])
+    if not (bench_model.torch.cuda.is_available() and bench_model.torch.cuda.get_device_capability() == (9, 0)):
+        with pytest.raises(SystemExit, match="the sage2 CUDA path runs on sm_90"):
+            bench_sage_pdl.main(["--shapes", "1x24x4608x128"])
 
 
 def test_bench_staging_checks_its_arguments_and_loads_the_old_module_beside_the_new(tmp_path, capsys):

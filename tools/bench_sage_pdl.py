@@ -1,0 +1,106 @@
+"""The sage2 CUDA path with programmatic dependent launches against without, side by side in one process.
+
+The path is `sage2_cuda_attention`'s: the staging's statistics, reduction and K/V pass, then the kernel quantising Q
+itself (and the split's combine where the plan splits), on random bf16 Q, K with a per-channel mean and V in Flux's
+(B, S, H, D) storage. `pdl` launches the reduction, the K/V pass and the kernel as programmatic dependents of the
+launch before each (`prepare_cuda_attention(pdl=True)`, the default); `plain` launches each after the last has
+ended. Both are timed replayed from CUDA graphs of 10 calls and eagerly (20 calls queued behind a GPU sleep, so that
+the launches' host time is hidden), alternating with cuDNN's SDPA over `--rounds` rounds (median). The two outputs
+must be equal bit for bit.
+
+    python tools/bench_sage_pdl.py [--shapes 1x24x4608x128,...] [--rounds N] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+
+import bench_sage  # noqa: E402
+from bench_sage_builds import (GRAPH_CALLS, alternating_medians, parse_shapes, require_sm90,  # noqa: E402
+                               write_rows)
+
+from flash_catalog.kernels.sage2.cuda_kernel import prepare_cuda_attention  # noqa: E402
+from flash_catalog.kernels.staging import StagingPool  # noqa: E402
+
+DEFAULT_SHAPES = "1x24x4608x128,2x24x4096x64,1x38x4429x64,1x32x24576x128"
+EAGER_CALLS = 20
+
+
+def eager_ms(fn: Callable[[], object]) -> float:
+    """Ms a call of EAGER_CALLS calls of `fn` queued behind a GPU sleep (the host runs ahead, so the GPU meets the
+    launches back to back)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(2_000_000)
+    start.record()
+    for _ in range(EAGER_CALLS):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / EAGER_CALLS
+
+
+def compare(shape: tuple[int, int, int, int], rounds: int) -> dict:
+    """One shape's row: graphed and eager ms of the path with and without dependent launches and of cuDNN."""
+    torch.manual_seed(0)
+    b, h, s, d = shape
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(3))
+    k = k + 0.5 * torch.randn(1, h, 1, d, device="cuda", dtype=torch.bfloat16)  # keys share a mean, as real ones do
+    runs: dict[str, Callable[[], torch.Tensor]] = {}
+    with torch.no_grad():
+        for name, pdl in (("pdl", True), ("plain", False)):
+            call = prepare_cuda_attention(q, k, v, staging=StagingPool(), out_layout="bshd", pdl=pdl)
+            runs[name] = lambda call=call: call(q, k, v)
+        equal = torch.equal(runs["pdl"](), runs["plain"]())
+        runs["cudnn"] = lambda: F.scaled_dot_product_attention(q, k, v)
+        graphed = alternating_medians({name: bench_sage.captured(fn, GRAPH_CALLS) for name, fn in runs.items()},
+                                      rounds)
+        eager: dict[str, list[float]] = {name: [] for name in runs}
+        for r in range(rounds):
+            for name in (list(runs) if r % 2 == 0 else list(reversed(runs))):
+                eager[name].append(eager_ms(runs[name]))
+    row: dict = {"shape": "x".join(map(str, shape)), "bit_equal": equal}
+    for mode, ms in (("graphed", graphed), ("eager", {name: statistics.median(t) for name, t in eager.items()})):
+        row.update({f"{mode}_{name}_ms": round(ms[name], 4) for name in runs})
+        row[f"{mode}_pdl_over_plain"] = round(ms["plain"] / ms["pdl"], 4)
+        row[f"{mode}_pdl_vs_cudnn"] = round(ms["cudnn"] / ms["pdl"], 4)
+        row[f"{mode}_plain_vs_cudnn"] = round(ms["cudnn"] / ms["plain"], 4)
+    return row
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", type=parse_shapes, default=parse_shapes(DEFAULT_SHAPES),
+                    help=f"BxHxSxD,... (default {DEFAULT_SHAPES}: FLUX.1-dev's attention, B2 D64, SD3.5 Large's, "
+                         "LTX-2's length)")
+    ap.add_argument("--rounds", type=int, default=15, help="alternating rounds (median)")
+    ap.add_argument("--json", type=Path, help="write the rows and the environment here")
+    args = ap.parse_args(argv)
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds {args.rounds}: want at least 1")
+    require_sm90("the sage2 CUDA path")
+    rows = []
+    for shape in args.shapes:
+        r = compare(shape, args.rounds)
+        rows.append(r)
+        print(f"{r['shape']:>16}  bit-equal {r['bit_equal']}  graphed: pdl {r['graphed_pdl_ms']:.4f} plain "
+              f"{r['graphed_plain_ms']:.4f} cuDNN {r['graphed_cudnn_ms']:.4f} ms, pdl/plain "
+              f"{r['graphed_pdl_over_plain']:.3f}x, vs cuDNN {r['graphed_pdl_vs_cudnn']:.3f}x (plain "
+              f"{r['graphed_plain_vs_cudnn']:.3f}x) | eager: pdl/plain {r['eager_pdl_over_plain']:.3f}x, vs cuDNN "
+              f"{r['eager_pdl_vs_cudnn']:.3f}x (plain {r['eager_plain_vs_cudnn']:.3f}x)", flush=True)
+    write_rows(args.json, rows, rounds=args.rounds)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
