@@ -278,3 +278,14 @@ def test_the_interpreter_stages_without_dependent_launches():
     assert not plans[True].pdl and not plans[False].pdl
     staged = {pdl: plan.run(q, k, v) for pdl, plan in plans.items()}
     assert torch.equal(staged[True].k8, staged[False].k8) and torch.equal(staged[True].v, staged[False].v)
+
+
+def test_dependent_launches_serve_hopper_and_later_only(monkeypatch):
+    """griddepcontrol is sm_90's and later GPUs': an older GPU's staging launches plainly (its kernels would not
+    compile with the instructions), and a CPU tensor's never asks."""
+    from flash_catalog.kernels.sage2.quant import dependent_launches_serve
+
+    assert not dependent_launches_serve(torch.device("cpu"))
+    for capability, serves in (((8, 0), False), ((8, 9), False), ((9, 0), True), ((10, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert dependent_launches_serve(torch.device("cuda", 0)) is serves

@@ -37,6 +37,12 @@ def stats_chunk(seq_kv: int, heads: int) -> int:
     return 1024 if heads * _cdiv(seq_kv, 1024) >= STATS_PROGRAMS else 256
 
 
+def dependent_launches_serve(device: torch.device) -> bool:
+    """Whether `device` runs programmatic dependent launches (`griddepcontrol`): a CUDA GPU of compute capability 9.0
+    or later. Elsewhere the staging launches plainly (its kernels would not compile with them for an older GPU)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 def interpreter_active() -> bool:
     """True when this module's kernels were built for Triton's CPU interpreter (TRITON_INTERPRET=1 at import).
 
@@ -540,8 +546,8 @@ def staging_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale:
                  validate: bool = True, staging: StagingPool | None = None, v_fp16: bool = False,
                  v_mma_order: bool = False, stage_q: bool = True, pdl: bool = True) -> StagingPlan:
     """The `StagingPlan` of `quantize_qkv(q, k, v, ...)` (the same arguments, checked here). `pdl`: launch the
-    reduction and the K/V pass as programmatic dependents of the launch before each (`StagingPlan.pdl`); never
-    under the interpreter, which has no such launches."""
+    reduction and the K/V pass as programmatic dependents of the launch before each (`StagingPlan.pdl`) where
+    `dependent_launches_serve` the device; never under the interpreter, which has no such launches."""
     if validate:
         validate_inputs(q, k, v, pv=pv, scale=sm_scale)
     for name, blk in (("block_m", block_m), ("block_n", block_n)):
@@ -563,7 +569,7 @@ def staging_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale:
     n_qb, n_kb = sq_pad // block_m, skv_pad // block_n
     warps = num_warps if num_warps is not None else (8 if d == 128 else 4)
     exact = interpreter_active()
-    pdl = pdl and not exact
+    pdl = pdl and not exact and dependent_launches_serve(dev)
     with_v = pv == "fp8"
     n_chunks = buf["k_sum_partial"].shape[1]
     n_stats = n_chunks * bsz * hkv
