@@ -159,6 +159,11 @@ def test_the_source_compiles_for_sm90a_with_the_nvcc_found_here(tmp_path, monkey
         # Q: staged (q8 and q_scale) or handed over whole, in 16-byte rows
         with pytest.raises(RuntimeError, match=r"pass q8 and q_scale, or q_raw$"):
             launch(0, 0, 0, 0, 0, 8, 0, 0, 1, *shapes, 128, 0, 0, 0, 0, 0, 2, 1, 0, 0, 0, *no_q)
+        # the output is written in 16-byte pieces
+        with pytest.raises(RuntimeError, match=r"out: its pointer and its strides in bytes must be multiples of 16$"):
+            launch(16, 0, 0, 16, 0, 8, 8, 0, 1, *shapes, 128, 0, 0, 0, 0, 0, 2, 1, 0, 0, 0, *no_q)
+        with pytest.raises(RuntimeError, match=r"out: its pointer and its strides in bytes must be multiples of 16$"):
+            launch(16, 0, 0, 16, 0, 8, 0, 0, 1, *shapes, 128, 0, 0, 132, 0, 0, 2, 1, 0, 0, 0, *no_q)
         with pytest.raises(RuntimeError, match=r"q_raw: its pointer and its strides in bytes must be multiples of 16$"):
             launch(0, 0, 0, 0, 0, 8, 0, 0, 1, *shapes, 128, 0, 0, 0, 0, 0, 2, 1, 0, 0, 0, 64, 8192, 4100, 128, 1,
                    0.1, 0)

@@ -107,6 +107,14 @@ __device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, u
       : "memory");
 }
 
+// A bulk copy of `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to shared memory,
+// completing on `bar` (its transaction count raised by the caller's expect_tx).
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(src)), "r"(bytes), "r"(smem_u32(bar))
+               : "memory");
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N>
@@ -300,6 +308,8 @@ struct SharedStorage {
   uint64_t full[STAGES];
   uint64_t empty[STAGES];
   uint64_t q_full;
+  uint64_t vs_full;  // FP8 P.V: V's per-channel scales of the CTA's head, in v_scale below
+  alignas(16) float v_scale[D];
   float q_amax[NC][4];  // Q quantised in the kernel: each consumer warp's max|q|
   float zero_f32;  // 0.0f and INT_MIN, read after the token's barriers (Turn)
   int int_min;
@@ -537,6 +547,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
       mbar_init(&sm.empty[i], 4 * NC);  // lane 0 of each consumer warp
     }
     mbar_init(&sm.q_full, 1);
+    mbar_init(&sm.vs_full, 1);
     if constexpr (PV16) {
       sm.zero_f32 = 0.0f;
       sm.int_min = INT_MIN;
@@ -549,6 +560,10 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
     if (threadIdx.x == 0) {
       grid_wait();  // the staging's outputs: nothing it writes is read before this
+      if constexpr (!PV16) {  // the epilogue's scales, in shared memory long before it needs them
+        mbar_expect_tx(&sm.vs_full, D * 4);
+        bulk_load(sm.v_scale, prm.v_scale + static_cast<long long>(bhk) * D, D * 4, &sm.vs_full);
+      }
       if (prm.q_raw == nullptr) {  // staged Q; else the consumers quantise it themselves
         mbar_expect_tx(&sm.q_full, kRows * D);
 #pragma unroll
@@ -657,8 +672,19 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
     l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], 2);
   }
   const float inv_l[2] = {1.0f / l[0], 1.0f / l[1]};
-  const float* v_scale = PV16 ? nullptr : prm.v_scale + static_cast<long long>(bhk) * D;
+  // V's scales from shared memory (vs_full completed long ago): a global load between the output's stores would
+  // wait for the store before it, and each such wait is a CTA's time with nothing else running on its SM
   const int t = lane & 3;
+  if constexpr (!PV16) mbar_wait(&sm.vs_full, 0);
+  // this thread's scales of channels 8 j + 2 t + {0, 1}, read where used (a shared load's short wait; no registers
+  // held across the epilogue)
+  const auto scale_of = [&](int j) {
+    float2 vs = make_float2(1.0f, 1.0f);
+    if constexpr (!PV16)
+      asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(vs.x), "=f"(vs.y)
+                   : "r"(smem_u32(sm.v_scale + 8 * j + 2 * t)));
+    return vs;
+  };
   if (split) {  // this part's rows, normalised, and their log2-domain log-sum-exp (P's 448 included)
     const long long unit = cta - prm.n_full;  // (tile - n_full) * n_split + part
     float* part_o = prm.part_o + unit * kRows * D;
@@ -671,7 +697,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
 #pragma unroll
       for (int j = 0; j < D / 8; ++j) {
         const int d = 8 * j + 2 * t;
-        const float2 vs = PV16 ? make_float2(1.0f, 1.0f) : *reinterpret_cast<const float2*>(v_scale + d);
+        const float2 vs = scale_of(j);
         *reinterpret_cast<float2*>(part_o + local * D + d) =
             make_float2(o[4 * j + 2 * hh] * vs.x * inv_l[hh], o[4 * j + 2 * hh + 1] * vs.y * inv_l[hh]);
       }
@@ -686,18 +712,20 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
       if (row < prm.sq) lse_bh[row] = (m[hh] + log2f(l[hh]) - kLog2PScale) * 0.6931471805599453f;
     }
   }
-  char* out_bh = static_cast<char*>(prm.out);
-  const int esize = 2;
-  out_bh += (static_cast<long long>(b) * prm.stride_ob + static_cast<long long>(h) * prm.stride_oh) * esize;
+  // The output leaves through this consumer's Q tile (64 x D bytes, unused since its last Q.K^T) 32 rows at a time:
+  // each thread puts its values in, swizzled (16-byte chunk c of a row at c ^ (row % 8): no bank conflicts), then
+  // the warpgroup writes whole rows in 16-byte pieces (a warp's store covers two rows: every sector whole). Stored
+  // straight from the score layout, a warp's 4-byte stores would each touch 8 rows in half sectors.
+  uint8_t* const stage = reinterpret_cast<uint8_t*>(sm.q + cw * 64 * D);
+  constexpr int kChunks = D / 8;  // 16-byte chunks (8 values) per output row
+  const int prow = (tid / 32) * 8 + lane / 4;  // the thread's row in a pass: its warp's 8, its quad's one
+  char* out_bh = static_cast<char*>(prm.out) +
+                 (static_cast<long long>(b) * prm.stride_ob + static_cast<long long>(h) * prm.stride_oh) * 2;
 #pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const int row = r0 + 8 * hh;
-    if (row >= prm.sq) continue;
-    char* out_row = out_bh + static_cast<long long>(row) * prm.stride_os * esize;
+  for (int hh = 0; hh < 2; ++hh) {  // pass hh: the consumer's rows 16 w + r + 8 hh (warp w < 4, r < 8)
 #pragma unroll
-    for (int j = 0; j < D / 8; ++j) {
-      const int d = 8 * j + 2 * t;
-      const float2 vs = PV16 ? make_float2(1.0f, 1.0f) : *reinterpret_cast<const float2*>(v_scale + d);
+    for (int j = 0; j < kChunks; ++j) {
+      const float2 vs = scale_of(j);
       const float x0 = o[4 * j + 2 * hh] * vs.x * inv_l[hh];
       const float x1 = o[4 * j + 2 * hh + 1] * vs.y * inv_l[hh];
       uint32_t packed;
@@ -708,8 +736,23 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
         __half2 y = __floats2half2_rn(x0, x1);
         packed = *reinterpret_cast<uint32_t*>(&y);
       }
-      *reinterpret_cast<uint32_t*>(out_row + d * esize) = packed;
+      const uint32_t at = prow * 2 * D + ((j ^ (prow & 7)) * 16) + 4 * t;
+      asm volatile("st.shared.b32 [%0], %1;" ::"r"(smem_u32(stage + at)), "r"(packed));
     }
+    asm volatile("bar.sync %0, 128;" ::"r"(4 + cw) : "memory");
+#pragma unroll
+    for (int i = 0; i < 32 * kChunks / 128; ++i) {
+      const int c = tid + 128 * i;
+      const int srow = c / kChunks, chunk = c % kChunks;
+      const int row = m_base + cw * 64 + (srow / 8) * 16 + srow % 8 + 8 * hh;
+      uint4 v;
+      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                   : "r"(smem_u32(stage + srow * 2 * D + ((chunk ^ (srow & 7)) * 16))));
+      if (row < prm.sq)
+        *reinterpret_cast<uint4*>(out_bh + static_cast<long long>(row) * prm.stride_os * 2 + chunk * 16) = v;
+    }
+    if (hh == 0) asm volatile("bar.sync %0, 128;" ::"r"(4 + cw) : "memory");  // pass 1 overwrites the stage
   }
 }
 
@@ -892,6 +935,9 @@ int fc_sage2_sm90(const void* q8, const void* k8, const void* v, const float* q_
                             uintptr_t(stride_qh * 2) | uintptr_t(stride_qs * 2)) % 16 != 0))
     return fail(1, "q_raw: its pointer and its strides in bytes must be multiples of 16");
   if (q_raw == nullptr && (q8 == nullptr || q_scale == nullptr)) return fail(1, "pass q8 and q_scale, or q_raw");
+  if ((reinterpret_cast<uintptr_t>(out) | uintptr_t(stride_ob * 2) | uintptr_t(stride_oh * 2) |
+       uintptr_t(stride_os * 2)) % 16 != 0)
+    return fail(1, "out: its pointer and its strides in bytes must be multiples of 16");
   if (encode_fn() == nullptr) return fail(2, "the driver offers no cuTensorMapEncodeTiled (CUDA 12+ driver needed)");
   CUtensorMap tq{}, tk, tv;  // tq: unused where the kernel quantises Q itself
   const uint64_t d = static_cast<uint64_t>(head_dim);
