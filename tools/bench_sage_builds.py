@@ -143,17 +143,18 @@ def before_file(args: argparse.Namespace, folder: Path, source: Path = cuda_kern
     return args.before_source or source_at(args.against, folder, source)
 
 
-def in_kernel_run(staged: Sage2Staged, q: torch.Tensor, sm_scale: float) -> Callable[[], torch.Tensor]:
+def in_kernel_run(staged: Sage2Staged, q: torch.Tensor, sm_scale: float,
+                  out_layout: str = "bhsd") -> Callable[[], torch.Tensor]:
     """The kernel alone on `staged` (made with stage_q=False), quantising `q` itself with softmax scale `sm_scale`,
-    as `sage2_cuda_attention` runs it: a function returning a new output per call (the launch made with the current
-    `cuda_kernel.build`)."""
+    as `sage2_cuda_attention` runs it: a function returning a new output (in `out_layout`) per call (the launch made
+    with the current `cuda_kernel.build`)."""
     out_shape = tuple(q.shape)
-    strides = cuda_kernel.new_output(out_shape, q.dtype, torch.device("meta"), "bhsd").stride()
+    strides = cuda_kernel.new_output(out_shape, q.dtype, torch.device("meta"), out_layout).stride()
     launch = cuda_kernel.kernel_launch(staged, q.dtype, strides, False, True, None,
                                        cuda_kernel.QInKernel.of(q, sm_scale))
 
     def run() -> torch.Tensor:
-        out = cuda_kernel.new_output(out_shape, q.dtype, q.device, "bhsd")
+        out = cuda_kernel.new_output(out_shape, q.dtype, q.device, out_layout)
         launch(out, None, q)
         return out
     return run

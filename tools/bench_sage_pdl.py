@@ -5,8 +5,9 @@ itself (and the split's combine where the plan splits), on random bf16 Q, K with
 (B, S, H, D) storage. `pdl` launches the reduction, the K/V pass and the kernel as programmatic dependents of the
 launch before each (`prepare_cuda_attention(pdl=True)`, the default); `plain` launches each after the last has
 ended. Both are timed replayed from CUDA graphs of 10 calls and eagerly (20 calls queued behind a GPU sleep, so that
-the launches' host time is hidden), alternating with cuDNN's SDPA over `--rounds` rounds (median). The two outputs
-must be equal bit for bit.
+the launches' host time is hidden), alternating with cuDNN's SDPA over `--rounds` rounds (median). `kernel` is the
+kernel alone on a staging made once (graphed only, alternating with the others): the path less it is what the
+staging and its launches cost. The three outputs must be equal bit for bit.
 
     python tools/bench_sage_pdl.py [--shapes 1x24x4608x128,...] [--rounds N] [--json out.json]
 """
@@ -14,6 +15,7 @@ must be equal bit for bit.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -27,10 +29,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
 import bench_sage  # noqa: E402
-from bench_sage_builds import (GRAPH_CALLS, alternating_medians, parse_shapes, require_sm90,  # noqa: E402
-                               write_rows)
+from bench_sage_builds import (GRAPH_CALLS, alternating_medians, in_kernel_run, parse_shapes,  # noqa: E402
+                               require_sm90, write_rows)
 
+from flash_catalog.kernels.sage2 import cuda_kernel  # noqa: E402
 from flash_catalog.kernels.sage2.cuda_kernel import prepare_cuda_attention  # noqa: E402
+from flash_catalog.kernels.sage2.quant import quantize_qkv  # noqa: E402
 from flash_catalog.kernels.staging import StagingPool  # noqa: E402
 
 DEFAULT_SHAPES = "1x24x4608x128,2x24x4096x64,1x38x4429x64,1x32x24576x128"
@@ -51,7 +55,8 @@ def eager_ms(fn: Callable[[], object]) -> float:
 
 
 def compare(shape: tuple[int, int, int, int], rounds: int) -> dict:
-    """One shape's row: graphed and eager ms of the path with and without dependent launches and of cuDNN."""
+    """One shape's row: graphed and eager ms of the path with and without dependent launches and of cuDNN, and
+    graphed ms of the kernel alone."""
     torch.manual_seed(0)
     b, h, s, d = shape
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(3))
@@ -61,15 +66,22 @@ def compare(shape: tuple[int, int, int, int], rounds: int) -> dict:
         for name, pdl in (("pdl", True), ("plain", False)):
             call = prepare_cuda_attention(q, k, v, staging=StagingPool(), out_layout="bshd", pdl=pdl)
             runs[name] = lambda call=call: call(q, k, v)
-        equal = torch.equal(runs["pdl"](), runs["plain"]())
+        staged = quantize_qkv(q, k, v, pv="fp8", block_m=cuda_kernel.STAGING_TILES[0],
+                              block_n=cuda_kernel.STAGING_TILES[1], stage_q=False, **cuda_kernel.staging_options("fp8"))
+        kernel = in_kernel_run(staged, q, 1.0 / math.sqrt(d), out_layout="bshd")  # the path's default scale and layout
+        path_out = runs["pdl"]()
+        equal = torch.equal(path_out, runs["plain"]()) and torch.equal(path_out, kernel())
         runs["cudnn"] = lambda: F.scaled_dot_product_attention(q, k, v)
-        graphed = alternating_medians({name: bench_sage.captured(fn, GRAPH_CALLS) for name, fn in runs.items()},
-                                      rounds)
+        graphed = alternating_medians({name: bench_sage.captured(fn, GRAPH_CALLS)
+                                       for name, fn in {**runs, "kernel": kernel}.items()}, rounds)
         eager: dict[str, list[float]] = {name: [] for name in runs}
         for r in range(rounds):
             for name in (list(runs) if r % 2 == 0 else list(reversed(runs))):
                 eager[name].append(eager_ms(runs[name]))
-    row: dict = {"shape": "x".join(map(str, shape)), "bit_equal": equal}
+    row: dict = {"shape": "x".join(map(str, shape)), "bit_equal": equal,
+                 "graphed_kernel_ms": round(graphed["kernel"], 4),
+                 "graphed_kernel_vs_cudnn": round(graphed["cudnn"] / graphed["kernel"], 4),
+                 "graphed_staging_us": round(1000 * (graphed["pdl"] - graphed["kernel"]), 1)}
     for mode, ms in (("graphed", graphed), ("eager", {name: statistics.median(t) for name, t in eager.items()})):
         row.update({f"{mode}_{name}_ms": round(ms[name], 4) for name in runs})
         row[f"{mode}_pdl_over_plain"] = round(ms["plain"] / ms["pdl"], 4)
@@ -96,7 +108,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"{r['shape']:>16}  bit-equal {r['bit_equal']}  graphed: pdl {r['graphed_pdl_ms']:.4f} plain "
               f"{r['graphed_plain_ms']:.4f} cuDNN {r['graphed_cudnn_ms']:.4f} ms, pdl/plain "
               f"{r['graphed_pdl_over_plain']:.3f}x, vs cuDNN {r['graphed_pdl_vs_cudnn']:.3f}x (plain "
-              f"{r['graphed_plain_vs_cudnn']:.3f}x) | eager: pdl/plain {r['eager_pdl_over_plain']:.3f}x, vs cuDNN "
+              f"{r['graphed_plain_vs_cudnn']:.3f}x); kernel alone {r['graphed_kernel_ms']:.4f} ms, "
+              f"{r['graphed_kernel_vs_cudnn']:.3f}x cuDNN, staging {r['graphed_staging_us']:.1f} us | "
+              f"eager: pdl/plain {r['eager_pdl_over_plain']:.3f}x, vs cuDNN "
               f"{r['eager_pdl_vs_cudnn']:.3f}x (plain {r['eager_plain_vs_cudnn']:.3f}x)", flush=True)
     write_rows(args.json, rows, rounds=args.rounds)
     return rows
