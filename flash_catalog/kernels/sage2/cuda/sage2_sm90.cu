@@ -163,11 +163,15 @@ __device__ __forceinline__ uint64_t smem_desc_mn16(const void* tile) {
   return desc;
 }
 
-// Named barriers 1..3 (0 is __syncthreads): the exponential token; 4..6 are each consumer's own (quantize_q_tile).
+// Named barriers 1..3 (0 is __syncthreads): the exponential token; 4..6 are each consumer's own (consumer_sync).
 // bar.sync waits for the previous consumer's bar.arrive (128 + 128 threads); a ring of three cannot arrive twice
 // before its successor has synced.
 __device__ __forceinline__ void bar_sync_256(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void bar_arrive_256(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory"); }
+// The 128 threads of consumer warpgroup `cw` alone (Q's quantisation, the epilogue's staging of the output).
+__device__ __forceinline__ void consumer_sync(int cw) {
+  asm volatile("bar.sync %0, 128;" ::"r"(4 + cw) : "memory");
+}
 
 // Which named barrier a consumer waits on before its exponentials, which one it signals after, and whether it
 // signals (the ring's last turn has no successor); for fp16 P.V, the shared-memory addresses of a 0.0f and an
@@ -489,7 +493,7 @@ __device__ __forceinline__ float quantize_q_tile(const Params& prm, int8_t* tile
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
   if (tid % 32 == 0) warp_amax[tid / 32] = amax;
-  asm volatile("bar.sync %0, 128;" ::"r"(4 + cw) : "memory");
+  consumer_sync(cw);
   amax = fmaxf(fmaxf(fmaxf(warp_amax[0], warp_amax[1]), fmaxf(warp_amax[2], warp_amax[3])), 1e-30f);
   const float inv = __fdiv_rn(127.0f, amax);
 #pragma unroll
@@ -508,7 +512,7 @@ __device__ __forceinline__ float quantize_q_tile(const Params& prm, int8_t* tile
                  "r"(packed[1]) : "memory");
   }
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the writes, visible to the wgmma's reads
-  asm volatile("bar.sync %0, 128;" ::"r"(4 + cw) : "memory");
+  consumer_sync(cw);
   return __fmul_rn(__fdiv_rn(amax, 127.0f), prm.q_scale_mult);
 }
 
@@ -739,7 +743,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
       const uint32_t at = prow * 2 * D + ((j ^ (prow & 7)) * 16) + 4 * t;
       asm volatile("st.shared.b32 [%0], %1;" ::"r"(smem_u32(stage + at)), "r"(packed));
     }
-    asm volatile("bar.sync %0, 128;" ::"r"(4 + cw) : "memory");
+    consumer_sync(cw);
 #pragma unroll
     for (int i = 0; i < 32 * kChunks / 128; ++i) {
       const int c = tid + 128 * i;
@@ -752,7 +756,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
       if (row < prm.sq)
         *reinterpret_cast<uint4*>(out_bh + static_cast<long long>(row) * prm.stride_os * 2 + chunk * 16) = v;
     }
-    if (hh == 0) asm volatile("bar.sync %0, 128;" ::"r"(4 + cw) : "memory");  // pass 1 overwrites the stage
+    if (hh == 0) consumer_sync(cw);  // pass 1 overwrites the stage
   }
 }
 
