@@ -24,6 +24,11 @@ import step_trace  # noqa: E402
 from flash_catalog.decide.step import StepOutcome  # noqa: E402
 
 
+def sm90_here() -> bool:
+    """Whether this machine has the sm_90 GPU (H100/H200) that the sm_90 tools ask for (`require_sm90`)."""
+    return bench_model.torch.cuda.is_available() and bench_model.torch.cuda.get_device_capability() == (9, 0)
+
+
 @pytest.fixture
 def fresh_clock(monkeypatch):
     """The tools count --budget-s from their import; a test's run counts from its own start."""
@@ -257,7 +262,7 @@ def test_step_trace_counts_overlapping_device_work_once_and_the_gaps_as_idle_bef
 
 
 def test_bench_gemm_gluon_names_what_it_needs_and_checks_its_shapes(capsys):
-    if bench_model.torch.cuda.is_available() and bench_model.torch.cuda.get_device_capability() == (9, 0):
+    if sm90_here():
         pytest.skip("an sm_90 GPU is here: the tool would run")
     assert bench_gemm_gluon.main(["--shapes", "256,256,256"]) == 2
     assert "needs an sm_90 GPU" in capsys.readouterr().err
@@ -294,7 +299,7 @@ def test_bench_sage_builds_checks_its_arguments_and_reads_the_kernel_at_a_revisi
     assert "--pv int8: allowed fp8, fp16" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="no such file"):
         bench_sage_builds.main(["--before-source", str(tmp_path / "missing.cu")])
-    if not (bench_model.torch.cuda.is_available() and bench_model.torch.cuda.get_device_capability() == (9, 0)):
+    if not sm90_here():
         with pytest.raises(SystemExit, match="runs on sm_90"):
             bench_sage_builds.main(["--against", "HEAD"])
     with pytest.raises(SystemExit, match="git has no flash_catalog/kernels/sage2/cuda/sage2_sm90.cu"):
@@ -319,7 +324,7 @@ def test_bench_sage_pdl_checks_its_arguments_and_refuses_a_machine_without_sm90(
     assert "head_dim 64 or 128" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="--rounds 0: want at least 1"):
         bench_sage_pdl.main(["--rounds", "0"])
-    if not (bench_model.torch.cuda.is_available() and bench_model.torch.cuda.get_device_capability() == (9, 0)):
+    if not sm90_here():
         with pytest.raises(SystemExit, match="the sage2 CUDA path runs on sm_90"):
             bench_sage_pdl.main(["--shapes", "1x24x4608x128"])
 

@@ -497,7 +497,6 @@ def test_dependent_launches_give_the_waiting_launches_bits(b, hq, hkv, sq, skv, 
     expected = [calls[False](*x).clone() for x in inputs]
     queued = [calls[True](*inputs[i % 2]) for i in range(16)]
     assert all(torch.equal(out, expected[i % 2]) for i, out in enumerate(queued))
-    graph_outs = []
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
