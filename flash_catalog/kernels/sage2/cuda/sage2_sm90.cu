@@ -598,15 +598,12 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
   const int lane = tid % 32;
   const int r0 = m_base + cw * 64 + (tid / 32) * 16 + lane / 4;
   // Q as the caller passed it is no output of the staging: quantised before the wait, while the staging may still run
-  const float q_scale_raw =
-      prm.q_raw != nullptr
-          ? quantize_q_tile<D>(prm, sm.q + cw * 64 * D, sm.q_amax[cw], b, h, m_base + cw * 64, tid, cw)
-          : 0.0f;
-  grid_wait();
-  const float q_scale =
-      prm.q_raw != nullptr
-          ? q_scale_raw
-          : prm.q_scale[static_cast<long long>(bh) * prm.n_qb + min(m_block * NC + cw, prm.n_qb - 1)];
+  float q_scale = prm.q_raw != nullptr
+                      ? quantize_q_tile<D>(prm, sm.q + cw * 64 * D, sm.q_amax[cw], b, h, m_base + cw * 64, tid, cw)
+                      : 0.0f;
+  grid_wait();  // staged Q's scale is the staging's output
+  if (prm.q_raw == nullptr)
+    q_scale = prm.q_scale[static_cast<long long>(bh) * prm.n_qb + min(m_block * NC + cw, prm.n_qb - 1)];
   const float* k_scale = prm.k_scale + static_cast<long long>(bhk) * prm.n_kb;
   const uint64_t desc_q = smem_desc(sm.q + cw * 64 * D, D);
   // blocks [0, n_plain) need no mask: every key exists and, when causal, lies at or before this warpgroup's rows
