@@ -147,13 +147,14 @@ def in_kernel_run(staged: Sage2Staged, q: torch.Tensor, sm_scale: float,
                   out_layout: str = "bhsd") -> Callable[[], torch.Tensor]:
     """The kernel alone on `staged` (made with stage_q=False), quantising `q` itself with softmax scale `sm_scale`,
     as `sage2_cuda_attention` runs it: a function returning a new output (in `out_layout`) per call (the launch made
-    with the current `cuda_kernel.build`)."""
+    with the current `cuda_kernel.build`), which keeps `staged` alive."""
     out_shape = tuple(q.shape)
     strides = cuda_kernel.new_output(out_shape, q.dtype, torch.device("meta"), out_layout).stride()
     launch = cuda_kernel.kernel_launch(staged, q.dtype, strides, False, True, None,
                                        cuda_kernel.QInKernel.of(q, sm_scale))
 
-    def run() -> torch.Tensor:
+    # the launch holds only the staging's addresses: the default argument keeps its buffers alive with `run`
+    def run(staged: Sage2Staged = staged) -> torch.Tensor:
         out = cuda_kernel.new_output(out_shape, q.dtype, q.device, out_layout)
         launch(out, None, q)
         return out
