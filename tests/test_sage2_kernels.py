@@ -186,6 +186,44 @@ def test_the_staging_launches_one_by_one_write_what_they_say():
     assert (staged.k8.int() - ref["k8"].int()).abs().max() <= 1
 
 
+def test_the_block_scale_staging_samples_ks_mean_and_scales_v_per_block():
+    """`v_block_scale=True` (the CUDA kernel's staging): two launches, no partials; K's mean from 256 of 700 keys
+    spread evenly, K's codes those of that mean, and V's FP8 codes and scales per key block, an all-zero block's at
+    the floor, as the torch reference computes them; the Triton kernel refuses it by name."""
+    q, k, v = _inputs(sq=16, skv=700, d=64, dtype=torch.bfloat16, seed=11)
+    v[:, :, SMALL_N:2 * SMALL_N] = 0          # a block of zeros
+    v[:, :, 4 * SMALL_N:5 * SMALL_N] *= 1000  # and one far larger than the rest
+    layout = staging_layout(q.shape, k.shape, pv="fp8", block_m=16, block_n=SMALL_N, v_block_scale=True)
+    n_kb = -(-700 // SMALL_N)
+    assert "k_sum_partial" not in layout and "v_inv" not in layout
+    assert layout["v_scale"] == ((1, 2, n_kb), torch.float32)
+    plan = staging_plan(q, k, v, pv="fp8", block_m=16, block_n=SMALL_N, v_block_scale=True)
+    assert plan.finalize is None
+    st = plan.run(q, k, v)
+    assert st.v_block_scale and st.v_scale.shape == (1, 2, n_kb)
+    ref = reference_quantize(q, k, v, pv="fp8", block_m=16, block_n=SMALL_N, v_block_scale=True)
+    torch.testing.assert_close(st.k_mean, ref["k_mean"], rtol=1e-5, atol=1e-6)
+    full_mean = k.float().mean(dim=2)
+    assert not torch.allclose(st.k_mean, full_mean, rtol=1e-3, atol=1e-3)  # a sample, not the whole sequence
+    own_mean = reference_quantize(q, k, v, pv="fp8", block_m=16, block_n=SMALL_N, v_block_scale=True,
+                                  k_mean=st.k_mean)
+    assert torch.equal(st.k8, own_mean["k8"]) and torch.equal(st.k_scale, own_mean["k_scale"])
+    assert torch.equal(st.v_scale, ref["v_scale"])
+    assert torch.equal(st.v.view(torch.uint8), ref["vt8"].view(torch.uint8))
+    assert torch.all(st.v_scale[:, :, 1] == torch.tensor(2.0 ** -32) / 448)
+    assert float(st.v_scale[:, :, 4].min()) > 100 * float(st.v_scale[:, :, 0].max())
+    with pytest.raises(ValueError, match=r"reads V's scales per channel; .* stage with v_block_scale=False$"):
+        sage2_attention_staged(st, out_dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"v_block_scale=True scales FP8 V per block for pv='fp8'; got pv='fp16'"):
+        staging_plan(q, k, v, pv="fp16", block_m=16, block_n=SMALL_N, v_block_scale=True)
+    # the emulated kernel on this staging is about as close to exact attention as on the per-channel one (P's own
+    # FP8 rounding dominates both; a wrong block scale would be off by far more)
+    exact = exact_attention(q, k, v)
+    per_block = sage2_reference(q, k, v, pv="fp8", block_m=16, block_n=SMALL_N, staged=ref)
+    per_channel = sage2_reference(q, k, v, pv="fp8", block_m=16, block_n=SMALL_N)
+    assert _rel_l2(per_block, exact) <= min(1.25 * _rel_l2(per_channel, exact), REL_L2_MAX["fp8"])
+
+
 def test_statistics_chunks_shrink_only_where_programs_would_be_few():
     """1024-token chunks where they make at least STATS_PROGRAMS programs (the long sequences), 256 below that."""
     assert stats_chunk(16384, 32) == 1024 and stats_chunk(32760, 40) == 1024

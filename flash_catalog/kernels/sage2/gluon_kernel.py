@@ -20,7 +20,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..magic import MAGIC_FLOAT, MAGIC_INT
-from .quant import LOG2_P_SCALE, Sage2Staged  # LOG2_P_SCALE: the Triton kernel's constexpr, P scaled by 448
+# LOG2_P_SCALE: the Triton kernel's constexpr, P scaled by 448
+from .quant import LOG2_P_SCALE, Sage2Staged, refuse_block_scales
 
 
 @gluon.jit
@@ -212,6 +213,7 @@ def sage2_gluon_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, stages: i
     (`quantize_qkv(..., v_fp16=True)`)."""
     if staged.pv not in ("fp8", "fp16"):
         raise ValueError(f"the Gluon kernel serves pv='fp8' or 'fp16' staging; got pv={staged.pv!r}")
+    refuse_block_scales(staged, "Gluon")
     if staged.pv == "fp16" and (staged.v.dtype != torch.float16 or tuple(staged.v.shape) != tuple(staged.k8.shape)
                                 or not staged.v.is_contiguous()):
         raise ValueError("pv='fp16' staging for the Gluon kernel must hold V as padded fp16: stage it with "

@@ -25,6 +25,11 @@ DTYPES = (torch.float16, torch.bfloat16)
 STATS_SUB = 32  # tokens per inner step of the K-mean / V-amax pass
 STAGE1_WARPS = 4  # the statistics and Q tiles launch (the H200 sweep: 4 warps, 32-token steps read fastest)
 STATS_PROGRAMS = 512  # fewer programs than this at 1024 tokens each leave SMs idle: chunks shrink to 256 tokens
+# The block-scale staging (`v_block_scale=True`): K's mean from this many keys spread evenly over the sequence (all of
+# them where there are fewer), and each V block's max|v| floored here, so that the ratio of two blocks' scales,
+# which the CUDA kernel carries its output in, stays finite.
+MEAN_SAMPLE = 256
+V_BLOCK_AMAX_FLOOR = tl.constexpr(2.0 ** -32)
 
 # P is produced already scaled by 448 (e4m3's largest finite value): exp2(s - m + log2(448)). The factor cancels in
 # acc / l, so neither P nor the output needs a separate multiply.
@@ -59,24 +64,28 @@ def _staging(key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch
 
 
 def staging_layout(q_shape: Sequence[int], k_shape: Sequence[int], *, pv: str, block_m: int,
-                   block_n: int, v_fp16: bool = False,
-                   stage_q: bool = True) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+                   block_n: int, v_fp16: bool = False, stage_q: bool = True,
+                   v_block_scale: bool = False) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """The staging buffers `quantize_qkv` uses for these shapes: name -> (shape, dtype), in allocation order.
 
     Padded to whole tiles of block_m query rows and block_n keys; pv="fp16" stages no V unless `v_fp16` (the
     Gluon kernel's TMA loads need V as one dense, padded fp16 tensor); no Q without `stage_q` (the CUDA kernel
-    quantises Q itself)."""
+    quantises Q itself); `v_block_scale`: no statistics' partials, and V's scale per block of block_n keys."""
     bsz, hq, sq, d = (int(n) for n in q_shape)
     hkv, skv = int(k_shape[1]), int(k_shape[2])
     sq_pad = padded_queries(sq, block_m)
     skv_pad = _cdiv(skv, block_n) * block_n
-    n_chunks = _cdiv(skv, stats_chunk(skv, bsz * hkv))
     f32 = torch.float32
-    layout = {"k_sum_partial": ((bsz * hkv, n_chunks, d), f32)}
-    if pv == "fp8":
-        layout["v_amax_partial"] = ((bsz * hkv, n_chunks, d), f32)
+    layout: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    if not v_block_scale:
+        n_chunks = _cdiv(skv, stats_chunk(skv, bsz * hkv))
+        layout["k_sum_partial"] = ((bsz * hkv, n_chunks, d), f32)
+        if pv == "fp8":
+            layout["v_amax_partial"] = ((bsz * hkv, n_chunks, d), f32)
     layout["k_mean"] = ((bsz, hkv, d), f32)
-    if pv == "fp8":
+    if pv == "fp8" and v_block_scale:
+        layout["v_scale"] = ((bsz, hkv, skv_pad // block_n), f32)
+    elif pv == "fp8":
         layout["v_scale"] = ((bsz, hkv, d), f32)
         layout["v_inv"] = ((bsz, hkv, d), f32)
     if stage_q:
@@ -92,11 +101,13 @@ def staging_layout(q_shape: Sequence[int], k_shape: Sequence[int], *, pv: str, b
 
 
 def staging_keys_of(q: torch.Tensor, k: torch.Tensor, *, pv: str, block_m: int, block_n: int,
-                    v_fp16: bool = False, stage_q: bool = True) -> tuple[StagingKey, ...]:
+                    v_fp16: bool = False, stage_q: bool = True,
+                    v_block_scale: bool = False) -> tuple[StagingKey, ...]:
     """The pool keys `quantize_qkv(q, k, v, pv=pv, block_m=block_m, block_n=block_n, v_fp16=v_fp16,
-    stage_q=stage_q, staging=pool)` draws (the layout's buffers on q's device, keyed by variant `pv`)."""
+    stage_q=stage_q, v_block_scale=v_block_scale, staging=pool)` draws (the layout's buffers on q's device, keyed
+    by variant `pv`)."""
     layout = staging_layout(q.shape, k.shape, pv=pv, block_m=block_m, block_n=block_n, v_fp16=v_fp16,
-                            stage_q=stage_q)
+                            stage_q=stage_q, v_block_scale=v_block_scale)
     return tuple(StagingKey(name, shape, dtype, q.device, pv) for name, (shape, dtype) in layout.items())
 
 
@@ -183,13 +194,24 @@ class Sage2Staged:
     k_scale: torch.Tensor    # (B, Hkv, Skv_pad // block_n) fp32
     v: torch.Tensor          # pv="fp8": (B, Hkv, D, Skv_pad) e4m3 V^T; pv="fp16": the caller's V, untouched,
     #                          or with v_fp16 its zero-padded fp16 copy (B, Hkv, Skv_pad, D)
-    v_scale: torch.Tensor | None  # pv="fp8": (B, Hkv, D) fp32, amax/448 per channel; else None
-    k_mean: torch.Tensor     # (B, Hkv, D) fp32, the token mean taken off K (it shifts each row's log-sum-exp)
+    v_scale: torch.Tensor | None  # pv="fp8": (B, Hkv, D) fp32, amax/448 per channel, or with v_block_scale
+    #                               (B, Hkv, Skv_pad // block_n), amax/448 per block of keys; else None
+    k_mean: torch.Tensor     # (B, Hkv, D) fp32, the mean taken off K (it shifts each row's log-sum-exp): of all
+    #                          tokens, or with v_block_scale of MEAN_SAMPLE spread over them
     pv: str
     block_m: int
     block_n: int
     seq_q: int
     seq_kv: int
+    v_block_scale: bool = False
+
+
+def refuse_block_scales(staged: Sage2Staged, kernel: str) -> None:
+    """Raise ValueError where `kernel` (which reads V's per-channel scales) is handed the CUDA kernel's block-scale
+    staging."""
+    if staged.v_block_scale:
+        raise ValueError(f"the {kernel} kernel reads V's scales per channel; this staging has them per key block "
+                         "(quantize_qkv(..., v_block_scale=True), the CUDA kernel's): stage with v_block_scale=False")
 
 
 def add_key_mean(lse: torch.Tensor, q: torch.Tensor, staged: Sage2Staged, sm_scale: float) -> torch.Tensor:
@@ -246,6 +268,23 @@ def _kv_stats_chunk(K, V, KSUM, VMAX, pid_c, pid_bh,
     tl.store(KSUM + out, tl.sum(ksum, 0))
     if WITH_V:
         tl.store(VMAX + out, tl.max(vmax, 0))
+
+
+@triton.jit
+def _k_sampled_mean(K, KMEAN, pid_bh, stride_kb, stride_kh, stride_ks, stride_kd, H_KV, SEQ_KV,
+                    SAMPLE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """K's mean over n = min(SAMPLE, SEQ_KV) of its tokens, token (i * SEQ_KV) // n for i < n, of (batch, kv head)
+    pid_bh, into KMEAN. Softmax is invariant to the mean taken off K, so a sample serves: it only centres K for its
+    INT8 blocks, and the log-sum-exp is corrected by the same mean."""
+    n = tl.minimum(SEQ_KV, SAMPLE)
+    i = tl.arange(0, SAMPLE)
+    rows = (i.to(tl.int64) * SEQ_KV) // n
+    offs_d = tl.arange(0, HEAD_DIM)
+    x = tl.load(_token_tile(K, pid_bh // H_KV, pid_bh % H_KV, rows, offs_d, stride_kb, stride_kh, stride_ks,
+                            stride_kd), mask=(i < n)[:, None], other=0.0).to(tl.float32)
+    total = tl.sum(x, 0)
+    tl.store(KMEAN + pid_bh.to(tl.int64) * HEAD_DIM + offs_d,
+             tl.math.div_rn(total, tl.zeros_like(total) + n.to(tl.float32)))
 
 
 @triton.jit
@@ -360,12 +399,15 @@ def _quant_v_fp8_block(V, VINV, VT8, pid_t, pid_bh,
                        stride_vb, stride_vh, stride_vs, stride_vd,
                        H_KV, SEQ_KV, SEQ_PAD,
                        BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr, INTERPRETED: tl.constexpr,
-                       MMA_ORDER: tl.constexpr, x_loaded=0.0, LOADED: tl.constexpr = False):
+                       MMA_ORDER: tl.constexpr, x_loaded=0.0, LOADED: tl.constexpr = False,
+                       V_BLOCK: tl.constexpr = False):
     """Block pid_t (BLOCK_T tokens) of (batch, kv head) pid_bh: per-channel FP8 e4m3, stored transposed as V^T[d, t].
     MMA_ORDER: within every 32 tokens, token 8a + 2t + b goes to column 16(a >> 1) + 4t + 2(a & 1) + b, the k-index
     at which the CUDA kernel's FP8 MMA meets the P value its score registers hold for that token. The tokens are
     gathered in that order (whole rows) so that the stores stay contiguous: scattering the bytes on the store
-    measured about ten times slower. LOADED: the tokens are `x_loaded` (`_v_fp8_tokens`), already read."""
+    measured about ten times slower. LOADED: the tokens are `x_loaded` (`_v_fp8_tokens`), already read. V_BLOCK:
+    one scale for the block, its max|v| (floored at V_BLOCK_AMAX_FLOOR) / 448, stored at VINV[pid_bh, pid_t]
+    instead of reading per-channel 1/scale there."""
     cols = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, HEAD_DIM)
     if LOADED:
@@ -373,8 +415,15 @@ def _quant_v_fp8_block(V, VINV, VT8, pid_t, pid_bh,
     else:
         x = _v_fp8_tokens(V, pid_t, pid_bh, stride_vb, stride_vh, stride_vs, stride_vd, H_KV, SEQ_KV, BLOCK_T,
                           HEAD_DIM, MMA_ORDER)
-    inv = tl.load(VINV + pid_bh.to(tl.int64) * HEAD_DIM + offs_d)
-    y = tl.minimum(tl.maximum(x * inv[None, :], -448.0), 448.0)
+    if V_BLOCK:
+        amax = tl.maximum(tl.max(tl.max(tl.abs(x), 1), 0), V_BLOCK_AMAX_FLOOR)
+        tl.store(VINV + pid_bh.to(tl.int64) * (SEQ_PAD // BLOCK_T) + pid_t,
+                 tl.math.div_rn(amax, tl.full([], 448.0, tl.float32)))
+        y = x * tl.math.div_rn(tl.full([], 448.0, tl.float32), amax)
+    else:
+        inv = tl.load(VINV + pid_bh.to(tl.int64) * HEAD_DIM + offs_d)
+        y = x * inv[None, :]
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
     if INTERPRETED:  # make the fp8 cast exact: the interpreter's own fp32->e4m3 rounding is wrong
         y = round_to_e4m3(y)
     yt = tl.trans(y.to(tl.float8e4nv))                                     # [HEAD_DIM, BLOCK_T]
@@ -389,17 +438,21 @@ def _stats_and_q_kernel(K, V, KSUM, VMAX, Q, Q8, QS,
                         stride_qb, stride_qh, stride_qs, stride_qd,
                         H_KV, SEQ_KV, N_CHUNKS, N_STATS, HQ, SEQ_Q, SQ_PAD, N_QB, q_scale_mult,
                         CHUNK: tl.constexpr, SUB: tl.constexpr, HEAD_DIM: tl.constexpr, WITH_V: tl.constexpr,
-                        BLOCK_M: tl.constexpr, PDL: tl.constexpr = False):
-    """The staging's first launch, a program each: [0, N_STATS) K's and V's chunk statistics (chunk fastest), then
-    Q's tiles of BLOCK_M rows (tile fastest), INT8 with q_scale_mult folded into the scale. Q's pass needs no
-    statistics, so it runs beside theirs, whose few programs leave the GPU's memory idle at short sequences."""
-    if PDL:  # the reduction, a programmatic dependent, may be placed as soon as every program here has started
+                        BLOCK_M: tl.constexpr, PDL: tl.constexpr = False, SAMPLED: tl.constexpr = False):
+    """The staging's first launch, a program each: [0, N_STATS) K's and V's chunk statistics (chunk fastest), or
+    with SAMPLED K's sampled mean of each (batch, kv head) straight into KSUM (`_k_sampled_mean`), then Q's tiles
+    of BLOCK_M rows (tile fastest), INT8 with q_scale_mult folded into the scale. Q's pass needs no statistics, so
+    it runs beside theirs, whose few programs leave the GPU's memory idle at short sequences."""
+    if PDL:  # the next launch, a programmatic dependent, may be placed as soon as every program here has started
         gdc_launch_dependents()
     pid = tl.program_id(0)
     if pid < N_STATS:
-        _kv_stats_chunk(K, V, KSUM, VMAX, pid % N_CHUNKS, pid // N_CHUNKS,
-                        stride_kb, stride_kh, stride_ks, stride_kd, stride_vb, stride_vh, stride_vs, stride_vd,
-                        H_KV, SEQ_KV, N_CHUNKS, CHUNK, SUB, HEAD_DIM, WITH_V)
+        if SAMPLED:
+            _k_sampled_mean(K, KSUM, pid, stride_kb, stride_kh, stride_ks, stride_kd, H_KV, SEQ_KV, CHUNK, HEAD_DIM)
+        else:
+            _kv_stats_chunk(K, V, KSUM, VMAX, pid % N_CHUNKS, pid // N_CHUNKS,
+                            stride_kb, stride_kh, stride_ks, stride_kd, stride_vb, stride_vh, stride_vs, stride_vd,
+                            H_KV, SEQ_KV, N_CHUNKS, CHUNK, SUB, HEAD_DIM, WITH_V)
     else:
         tile = pid - N_STATS
         _quant_int8_block(Q, Q, Q8, QS, Q, Q, tile % N_QB, tile // N_QB,
@@ -413,13 +466,17 @@ def _quant_kv_kernel(K, KMEAN, K8, KS, V, V16, VINV, VT8,
                      stride_vb, stride_vh, stride_vs, stride_vd,
                      H_KV, SEQ_KV, SKV_PAD, N_KB,
                      BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, COPY_V: tl.constexpr, V_FP8: tl.constexpr,
-                     INTERPRETED: tl.constexpr, MMA_ORDER: tl.constexpr, PDL: tl.constexpr = False):
+                     INTERPRETED: tl.constexpr, MMA_ORDER: tl.constexpr, PDL: tl.constexpr = False,
+                     V_BLOCK: tl.constexpr = False):
     """K's and V's pass: one tile of BLOCK_N tokens of one (batch, kv head) per program, K less its mean as INT8 and
-    the same tokens of V (V_FP8: per-channel e4m3 V^T; COPY_V: padded fp16). Q has its own launch: beside this
-    pass's registers and V's transpose its programs ran slower (measured at S=16k, D=128)."""
+    the same tokens of V (V_FP8: per-channel e4m3 V^T, or with V_BLOCK one scale per tile, written to VINV;
+    COPY_V: padded fp16). Q has its own launch: beside this pass's registers and V's transpose its programs ran
+    slower (measured at S=16k, D=128)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    if PDL:  # a programmatic dependent of the reduction, and the attention kernel one of this pass
+    # PDL: a programmatic dependent of the launch before (the reduction, or with V_BLOCK the sampled mean), and the
+    # attention kernel one of this pass
+    if PDL:
         gdc_launch_dependents()
         # K's and V's tokens are the caller's, which no staging launch writes: read while the reduction may still
         # run; its mean and scales only after the wait
@@ -441,7 +498,7 @@ def _quant_kv_kernel(K, KMEAN, K8, KS, V, V16, VINV, VT8,
                       H_KV, SEQ_KV, SKV_PAD, N_KB, 1.0, BLOCK_N, HEAD_DIM, True, COPY_V, x, PDL)
     if V_FP8:
         _quant_v_fp8_block(V, VINV, VT8, pid_m, pid_bh, stride_vb, stride_vh, stride_vs, stride_vd,
-                           H_KV, SEQ_KV, SKV_PAD, BLOCK_N, HEAD_DIM, INTERPRETED, MMA_ORDER, vx, PDL)
+                           H_KV, SEQ_KV, SKV_PAD, BLOCK_N, HEAD_DIM, INTERPRETED, MMA_ORDER, vx, PDL, V_BLOCK)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -460,36 +517,40 @@ def padded_queries(seq_q: int, block_m: int) -> int:
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
                  pv: str = "fp8", block_m: int = 128, block_n: int = 64, num_warps: int | None = None,
                  validate: bool = True, staging: StagingPool | None = None, v_fp16: bool = False,
-                 v_mma_order: bool = False, stage_q: bool = True) -> Sage2Staged:
+                 v_mma_order: bool = False, stage_q: bool = True, v_block_scale: bool = False) -> Sage2Staged:
     """Stage q, k, v for the SageAttention2 kernel: Q is read once, K twice (a stats pass, then quantise), V twice
-    for pv="fp8" (stats, then quantise), once with `v_fp16` (copied in K's quantise pass), else not at all.
+    for pv="fp8" (stats, then quantise; once with `v_block_scale`, K then once and a sample), once with `v_fp16`
+    (copied in K's quantise pass), else not at all.
 
     The caller's tensors are only read. `block_m`/`block_n` must match the attention kernel's tiles: the
     Q and K scales are per tile. With `staging`, the buffers (see `staging_layout`) are the pool's, keyed by
     variant `pv`: the result is valid only until the pool's next use, so consume it and drop it. `v_fp16`
     (pv="fp16"): stage V as a zero-padded fp16 copy (the Gluon kernel's layout) instead of passing it through.
     `v_mma_order` (pv="fp8"): store V^T's tokens in the CUDA kernel's FP8 MMA order (permuted within every 32).
-    `stage_q=False`: leave Q out (q8 and q_scale None), for the CUDA kernel that quantises it itself."""
+    `stage_q=False`: leave Q out (q8 and q_scale None), for the CUDA kernel that quantises it itself.
+    `v_block_scale` (pv="fp8"): no statistics pass; K's mean from MEAN_SAMPLE keys spread over the sequence and V's
+    scale per block of block_n keys, each taken in the K/V pass itself, so K and V are read once (the CUDA kernel
+    reads this staging; the Triton and Gluon kernels read per-channel V scales)."""
     return staging_plan(q, k, v, sm_scale=sm_scale, pv=pv, block_m=block_m, block_n=block_n, num_warps=num_warps,
                         validate=validate, staging=staging, v_fp16=v_fp16, v_mma_order=v_mma_order,
-                        stage_q=stage_q).run(q, k, v)
+                        stage_q=stage_q, v_block_scale=v_block_scale).run(q, k, v)
 
 
 @dataclass(frozen=True)
 class StagingPlan:
     """`quantize_qkv` for one call's shapes, strides, dtypes and options, worked out once: the buffers (drawn when
-    planned: the pool's, or fresh) and the three launches. `run(q, k, v)` stages tensors of those shapes, strides,
-    dtypes and 16-byte alignments; a plan kept between calls (`StagingPool.prepared`) saves their host time, its
-    launches past the first skipping the JIT (`RepeatLaunch`)."""
+    planned: the pool's, or fresh) and the three launches (two with `v_block_scale`: no reduction). `run(q, k, v)`
+    stages tensors of those shapes, strides, dtypes and 16-byte alignments; a plan kept between calls
+    (`StagingPool.prepared`) saves their host time, its launches past the first skipping the JIT (`RepeatLaunch`)."""
 
     buffers: dict[str, torch.Tensor]
     stats: RepeatLaunch  # K, V, KSUM, VMAX, Q, Q8, QS
-    finalize: RepeatLaunch  # KSUM, VMAX, KMEAN, VSCALE, VINV
+    finalize: RepeatLaunch | None  # KSUM, VMAX, KMEAN, VSCALE, VINV; None with v_block_scale
     quant_kv: RepeatLaunch  # K, KMEAN, K8, KS, V, V16, VINV, VT8
     # Each launch's buffers, chosen once (a buffer the launch does not touch stands in where its mode stages none):
     stats_out: tuple[torch.Tensor, ...]  # KSUM, VMAX
     q_out: tuple[torch.Tensor, ...]  # Q8, QS
-    reduction_args: tuple[torch.Tensor, ...]  # KSUM, VMAX, KMEAN, VSCALE, VINV
+    reduction_args: tuple[torch.Tensor, ...]  # KSUM, VMAX, KMEAN, VSCALE, VINV; none without a reduction
     k_out: tuple[torch.Tensor, ...]  # KMEAN, K8, KS
     v_out: tuple[torch.Tensor, ...]  # V16, VINV, VT8
     pv: str
@@ -498,6 +559,7 @@ class StagingPlan:
     seq_q: int
     seq_kv: int
     v_fp16: bool
+    v_block_scale: bool
     # The reduction and the K/V pass are programmatic dependent launches (Hopper's PDL): each may be placed on the GPU
     # while the launch before it ends, and waits for it before reading anything; the statistics start as any launch.
     pdl: bool
@@ -508,22 +570,23 @@ class StagingPlan:
         return self.staged(v)
 
     def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """The three launches alone, in order, for a caller that needs no description of the staging (`run` gives
+        """The launches alone, in order, for a caller that needs no description of the staging (`run` gives
         one)."""
         self.launch_statistics(q, k, v)
         self.launch_reduction()
         self.launch_kv_pass(k, v)
 
     def launch_statistics(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Launch 1: K's and V's chunk statistics (partial sums of K, partial max|V| per channel) and, in the same
-        launch, Q (unless the CUDA kernel quantises it): per-tile INT8 with the softmax scale * log2(e) folded into
-        the scale."""
+        """Launch 1: K's and V's chunk statistics (partial sums of K, partial max|V| per channel; with v_block_scale
+        K's sampled mean alone) and, in the same launch, Q (unless the CUDA kernel quantises it): per-tile INT8 with
+        the softmax scale * log2(e) folded into the scale."""
         self.stats(k, v, *self.stats_out, q, *self.q_out)
 
     def launch_reduction(self) -> None:
         """Launch 2: the per-head reduction of the partials (deterministic, no atomics): K's mean, V's scale and
-        1/scale."""
-        self.finalize(*self.reduction_args)
+        1/scale. Nothing with v_block_scale, which has no partials."""
+        if self.finalize is not None:
+            self.finalize(*self.reduction_args)
 
     def launch_kv_pass(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Launch 3: K less its token mean (softmax is invariant to it), per-block INT8, with the same tokens of V:
@@ -538,13 +601,15 @@ class StagingPlan:
                           (buf["v16"], None) if self.v_fp16 else (v, None))
         return Sage2Staged(q8=buf.get("q8"), q_scale=buf.get("q_scale"), k8=buf["k8"], k_scale=buf["k_scale"], v=v_out,
                            v_scale=v_scale, k_mean=buf["k_mean"], pv=self.pv, block_m=self.block_m,
-                           block_n=self.block_n, seq_q=self.seq_q, seq_kv=self.seq_kv)
+                           block_n=self.block_n, seq_q=self.seq_q, seq_kv=self.seq_kv,
+                           v_block_scale=self.v_block_scale)
 
 
 def staging_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
                  pv: str = "fp8", block_m: int = 128, block_n: int = 64, num_warps: int | None = None,
                  validate: bool = True, staging: StagingPool | None = None, v_fp16: bool = False,
-                 v_mma_order: bool = False, stage_q: bool = True, pdl: bool = True) -> StagingPlan:
+                 v_mma_order: bool = False, stage_q: bool = True, pdl: bool = True,
+                 v_block_scale: bool = False) -> StagingPlan:
     """The `StagingPlan` of `quantize_qkv(q, k, v, ...)` (the same arguments, checked here). `pdl`: launch the
     reduction and the K/V pass as programmatic dependents of the launch before each (`StagingPlan.pdl`) where
     `dependent_launches_serve` the device; never under the interpreter, which has no such launches."""
@@ -562,8 +627,10 @@ def staging_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale:
         raise ValueError(f"v_mma_order=True orders V^T for pv='fp8'; got pv={pv!r}")
     if v_fp16 and pv != "fp16":
         raise ValueError(f"v_fp16=True stages V for pv='fp16'; got pv={pv!r}")
+    if v_block_scale and pv != "fp8":
+        raise ValueError(f"v_block_scale=True scales FP8 V per block for pv='fp8'; got pv={pv!r}")
     layout = staging_layout(q.shape, k.shape, pv=pv, block_m=block_m, block_n=block_n, v_fp16=v_fp16,
-                            stage_q=stage_q)
+                            stage_q=stage_q, v_block_scale=v_block_scale)
     buf = {name: _staging(name, shape, dtype, dev, staging, pv) for name, (shape, dtype) in layout.items()}
     sq_pad, skv_pad = padded_queries(sq, block_m), buf["k8"].shape[2]
     n_qb, n_kb = sq_pad // block_m, skv_pad // block_n
@@ -571,29 +638,38 @@ def staging_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale:
     exact = interpreter_active()
     pdl = pdl and not exact and dependent_launches_serve(dev)
     with_v = pv == "fp8"
-    n_chunks = buf["k_sum_partial"].shape[1]
-    n_stats = n_chunks * bsz * hkv
-    ksum, k_mean, k8 = buf["k_sum_partial"], buf["k_mean"], buf["k8"]
-    vmax, v_scale, v_inv = ((buf["v_amax_partial"], buf["v_scale"], buf["v_inv"]) if with_v else
-                            (ksum, k_mean, k_mean))
+    k_mean, k8 = buf["k_mean"], buf["k8"]
+    if v_block_scale:  # a program per (batch, kv head) writes its sampled mean; V's scales come with its pass
+        n_chunks, n_stats, chunk = 1, bsz * hkv, MEAN_SAMPLE
+        ksum = vmax = k_mean
+        v_inv = buf["v_scale"]
+        finalize = None
+    else:
+        n_chunks, chunk = buf["k_sum_partial"].shape[1], stats_chunk(skv, bsz * hkv)
+        n_stats = n_chunks * bsz * hkv
+        ksum = buf["k_sum_partial"]
+        vmax, v_scale, v_inv = ((buf["v_amax_partial"], buf["v_scale"], buf["v_inv"]) if with_v else
+                                (ksum, k_mean, k_mean))
+        finalize = RepeatLaunch(
+            _kv_stats_finalize_kernel, (bsz * hkv,), (n_chunks, skv),
+            dict(BLOCK_C=16, HEAD_DIM=d, WITH_V=with_v, INTERPRETED=exact, PDL=pdl, num_warps=4, launch_pdl=pdl))
     return StagingPlan(
         buffers=buf,
         stats=RepeatLaunch(
             _stats_and_q_kernel, (n_stats + (n_qb * bsz * hq if stage_q else 0),),
             (*k.stride(), *v.stride(), *q.stride(), hkv, skv, n_chunks, n_stats, hq, sq, sq_pad, n_qb,
              float(sm_scale) * LOG2E),
-            dict(CHUNK=stats_chunk(skv, bsz * hkv), SUB=STATS_SUB, HEAD_DIM=d, WITH_V=with_v, BLOCK_M=block_m,
-                 PDL=pdl, num_warps=STAGE1_WARPS)),
-        finalize=RepeatLaunch(
-            _kv_stats_finalize_kernel, (bsz * hkv,), (n_chunks, skv),
-            dict(BLOCK_C=16, HEAD_DIM=d, WITH_V=with_v, INTERPRETED=exact, PDL=pdl, num_warps=4, launch_pdl=pdl)),
+            dict(CHUNK=chunk, SUB=STATS_SUB, HEAD_DIM=d, WITH_V=with_v, BLOCK_M=block_m, PDL=pdl,
+                 SAMPLED=v_block_scale, num_warps=STAGE1_WARPS)),
+        finalize=finalize,
         quant_kv=RepeatLaunch(
             _quant_kv_kernel, (n_kb, bsz * hkv), (*k.stride(), *v.stride(), hkv, skv, skv_pad, n_kb),
             dict(BLOCK_N=block_n, HEAD_DIM=d, COPY_V=v_fp16, V_FP8=with_v, INTERPRETED=exact,
-                 MMA_ORDER=v_mma_order, PDL=pdl, num_warps=warps, launch_pdl=pdl)),
+                 MMA_ORDER=v_mma_order, PDL=pdl, V_BLOCK=v_block_scale, num_warps=warps, launch_pdl=pdl)),
         stats_out=(ksum, vmax),
         q_out=(buf["q8"], buf["q_scale"]) if stage_q else (k8, k_mean),  # no Q programs run without them
-        reduction_args=(ksum, vmax, k_mean, v_scale, v_inv),
+        reduction_args=() if finalize is None else (ksum, vmax, k_mean, v_scale, v_inv),
         k_out=(k_mean, k8, buf["k_scale"]),
         v_out=(buf["v16"] if v_fp16 else k8, v_inv, buf["vt8"] if with_v else k8),
-        pv=pv, block_m=block_m, block_n=block_n, seq_q=sq, seq_kv=skv, v_fp16=v_fp16, pdl=pdl)
+        pv=pv, block_m=block_m, block_n=block_n, seq_q=sq, seq_kv=skv, v_fp16=v_fp16, v_block_scale=v_block_scale,
+        pdl=pdl)

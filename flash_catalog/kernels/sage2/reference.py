@@ -12,6 +12,8 @@ import torch
 
 LOG2E = 1.0 / math.log(2.0)
 AMAX_FLOOR = 1e-30
+MEAN_SAMPLE = 256            # quant.MEAN_SAMPLE: keys behind K's mean in the block-scale staging
+V_BLOCK_AMAX_FLOOR = 2.0 ** -32  # quant.V_BLOCK_AMAX_FLOOR
 
 
 def _expand_kv(x: torch.Tensor, hq: int) -> torch.Tensor:
@@ -48,19 +50,44 @@ def _quant_int8_blocks(x: torch.Tensor, block: int, scale_mult: float) -> tuple[
     return xq, scale
 
 
+def sampled_key_rows(skv: int) -> torch.Tensor:
+    """The keys behind K's mean in the block-scale staging: min(MEAN_SAMPLE, skv) of them, (i * skv) // n."""
+    n = min(MEAN_SAMPLE, skv)
+    return torch.arange(n, dtype=torch.int64) * skv // n
+
+
 def reference_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
-                       pv: str = "fp8", block_m: int = 128, block_n: int = 64) -> dict[str, torch.Tensor | None]:
-    """The staging buffers `quantize_qkv` produces, computed with torch (same layouts, zero padding included)."""
+                       pv: str = "fp8", block_m: int = 128, block_n: int = 64, v_block_scale: bool = False,
+                       k_mean: torch.Tensor | None = None) -> dict[str, torch.Tensor | None]:
+    """The staging buffers `quantize_qkv` produces, computed with torch (same layouts, zero padding included).
+    `v_block_scale`: K's mean over `sampled_key_rows` and V's scale per block of block_n keys (the dict's
+    "v_block_scale" then not None). `k_mean` ((B, Hkv, D) float32): take this mean off K instead (a kernel's own,
+    whose sum may round in another order)."""
     d = q.shape[-1]
     skv = k.shape[2]
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     q8, q_scale = _quant_int8_blocks(q.float(), block_m, sm_scale * LOG2E)
     k32 = k.float()
-    k_mean = k32.mean(dim=2, keepdim=True)
-    k8, k_scale = _quant_int8_blocks(k32 - k_mean, block_n, 1.0)
+    if k_mean is not None:
+        mean = k_mean.float().unsqueeze(2)
+    elif v_block_scale:
+        mean = k32[:, :, sampled_key_rows(skv).to(k.device)].mean(dim=2, keepdim=True)
+    else:
+        mean = k32.mean(dim=2, keepdim=True)
+    k8, k_scale = _quant_int8_blocks(k32 - mean, block_n, 1.0)
     out: dict[str, torch.Tensor | None] = {"q8": q8, "q_scale": q_scale, "k8": k8, "k_scale": k_scale,
-                                           "k_mean": k_mean.squeeze(2)}
-    if pv == "fp8":
+                                           "k_mean": mean.squeeze(2), "v_block_scale": None}
+    if pv == "fp8" and v_block_scale:
+        bsz, hkv, skv_pad = v.shape[0], v.shape[1], k8.shape[2]
+        vp = torch.zeros((bsz, hkv, skv_pad, d), dtype=torch.float32, device=v.device)
+        vp[:, :, :skv] = v.float()
+        vb = vp.view(bsz, hkv, skv_pad // block_n, block_n, d)
+        amax = vb.abs().amax(dim=(3, 4)).clamp_min(V_BLOCK_AMAX_FLOOR)          # (B, Hkv, n_kb)
+        inv = torch.full_like(amax, 448.0) / amax
+        v8 = (vb * inv[..., None, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(bsz, hkv, skv_pad, d)
+        out.update(vt8=v8.transpose(2, 3).contiguous(), v_scale=amax / torch.full_like(amax, 448.0),
+                   v_block_scale=torch.tensor(True))
+    elif pv == "fp8":
         v32 = v.float()
         amax = v32.abs().amax(dim=2).clamp_min(AMAX_FLOOR)                  # (B, Hkv, D)
         inv = torch.full_like(amax, 448.0) / amax
@@ -88,9 +115,10 @@ def sage2_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     q_scale = st["q_scale"]
     k8 = _expand_kv(st["k8"], hq).double()
     k_scale = _expand_kv(st["k_scale"], hq)
+    per_block = st.get("v_block_scale") is not None                          # V's scale per key block
     if pv == "fp8":
         vv = _expand_kv(st["vt8"], hq).double().transpose(2, 3)               # (B, Hq, Skv_pad, D)
-        v_scale = _expand_kv(st["v_scale"], hq).double()                     # (B, Hq, D)
+        v_scale = _expand_kv(st["v_scale"], hq).double()                     # (B, Hq, D) or (B, Hq, n_kb)
     else:
         vv = _expand_kv(v.float().to(torch.float16), hq).double()            # (B, Hq, Skv, D)
         v_scale = None
@@ -120,6 +148,8 @@ def sage2_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
             if pv == "fp8":
                 pq = p.float().to(torch.float8_e4m3fn).double()
                 blk = pq @ vb
+                if per_block:
+                    blk = blk * v_scale[:, :, j, None, None]
             else:
                 pq = p.float().to(torch.float16).double()
                 if vb.shape[2] < block_n:                                     # V unpadded in fp16 mode
@@ -127,7 +157,7 @@ def sage2_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
                 blk = pq @ vb
             acc = acc * alpha[..., None] + blk
             m = m_new
-        if v_scale is not None:
+        if v_scale is not None and not per_block:
             acc = acc * v_scale[:, :, None, :]
         out[:, :, i * block_m:(i + 1) * block_m] = acc / l[..., None]
     return out[:, :, :sq]

@@ -11,7 +11,7 @@ import triton.language as tl
 from ..activation import round_to_bf16
 from ..magic import MAGIC_FLOAT, MAGIC_INT  # integer -> float without I2F (which issues at exp2's 16/clk/SM)
 from .quant import (LOG2_P_SCALE, Sage2Staged, add_key_mean, empty_result, interpreter_active, quantize_qkv,
-                    refuse_grad, round_to_e4m3, validate_inputs)
+                    refuse_block_scales, refuse_grad, round_to_e4m3, validate_inputs)
 from .selection import choose_kernel, default_config, staging_tiles_for, v_fp16
 from ..staging import StagingPool
 
@@ -159,6 +159,7 @@ def sage2_attention_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, is_ca
     """Run the attention kernel on already quantised operands (see `quantize_qkv`); returns (B, Hq, Sq, D). With
     `lse` ((B, Hq, Sq) float32) the kernel also writes each row's log-sum-exp of the scores it saw: those of K less
     its token mean (`sage2_attention` adds the mean's share back)."""
+    refuse_block_scales(staged, "Triton")
     bsz, hq, sq_pad, d = staged.q8.shape
     hkv, skv_pad = staged.k8.shape[1], staged.k8.shape[2]
     sq, skv = staged.seq_q, staged.seq_kv
