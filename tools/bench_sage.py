@@ -148,7 +148,7 @@ def cuda_rows(q, k, v, causal, host_fn, host_ms, row, warmup: int, rep: int,
         fn = lambda: sage2_cuda.sage2_cuda_attention(q, k, v, pv=pv, is_causal=causal)  # noqa: E731
         out = fn()
         ms = bench(fn, warmup, rep)
-        staged = quantize_qkv(q, k, v, pv=pv, block_m=bm, block_n=bn, **sage2_cuda.staging_options(pv))
+        staged = quantize_qkv(q, k, v, pv=pv, block_m=bm, block_n=bn, **sage2_cuda.staging_options(pv, q.shape[-1]))
         kernel_ms = bench(lambda: sage2_cuda.sage2_cuda_staged(staged, out_dtype=q.dtype, is_causal=causal),
                           warmup, rep)
         cfg = {"block_m": 192, "block_n": bn, "num_warps": 16, "num_stages": 4 if q.shape[-1] == 128 else 6}

@@ -185,7 +185,7 @@ def compare(shape: tuple[int, int, int, int], pv: str, builds: dict[str, CudaBui
     sm_scale = 1.0 / math.sqrt(d)  # quantize_qkv's default, so that both modes scale Q alike
     staged = quantize_qkv(q, k, v, sm_scale=sm_scale, pv=pv, block_m=cuda_kernel.STAGING_TILES[0],
                           block_n=cuda_kernel.STAGING_TILES[1], stage_q=not q_in_kernel,
-                          **cuda_kernel.staging_options(pv))
+                          **cuda_kernel.staging_options(pv, d))
     outputs, graphs = {}, {}
     kernel_build = cuda_kernel.build
     try:

@@ -1,13 +1,18 @@
-"""The sage2 CUDA path with programmatic dependent launches against without, side by side in one process.
+"""The sage2 CUDA path with programmatic dependent launches against without, and with its two stagings, side by side
+in one process.
 
-The path is `sage2_cuda_attention`'s: the staging's statistics, reduction and K/V pass, then the kernel quantising Q
-itself (and the split's combine where the plan splits), on random bf16 Q, K with a per-channel mean and V in Flux's
-(B, S, H, D) storage. `pdl` launches the reduction, the K/V pass and the kernel as programmatic dependents of the
-launch before each (`prepare_cuda_attention(pdl=True)`, the default); `plain` launches each after the last has
-ended. Both are timed replayed from CUDA graphs of 10 calls and eagerly (20 calls queued behind a GPU sleep, so that
-the launches' host time is hidden), alternating with cuDNN's SDPA over `--rounds` rounds (median). `kernel` is the
-kernel alone on a staging made once (graphed only, alternating with the others): the path less it is what the
-staging and its launches cost. The three outputs must be equal bit for bit.
+The path is `sage2_cuda_attention`'s: the staging (K's sampled mean, then the K/V pass with V's scales per key
+block; or, `channel`, statistics, their reduction, then the K/V pass with V's scales per channel), then the kernel
+quantising Q itself (and the split's combine where the plan splits), on random bf16 Q, K with a per-channel mean and
+V in Flux's (B, S, H, D) storage. `pdl` launches the staging's later launches and the kernel as programmatic
+dependents of the launch before each (`prepare_cuda_attention(pdl=True)`, the default); `plain` launches each after
+the last has ended; `channel` is `pdl` on the per-channel staging (`v_block_scale=False`); the row names which of the
+two the path takes by default at the shape's head dim (`block_scale_default`). All are timed replayed
+from CUDA graphs of 10 calls and eagerly (20 calls queued behind a GPU sleep, so that the launches' host time is
+hidden), alternating with cuDNN's SDPA over `--rounds` rounds (median). `kernel` and `kernel_channel` are the kernel
+alone on each staging made once (graphed only, alternating with the others): the path less it is what the staging
+and its launches cost. Each staging's outputs must be equal bit for bit; each is compared with cuDNN's (cosine,
+relative L2) for accuracy.
 
     python tools/bench_sage_pdl.py [--shapes 1x24x4608x128,...] [--rounds N] [--json out.json]
 """
@@ -55,38 +60,55 @@ def eager_ms(fn: Callable[[], object]) -> float:
 
 
 def compare(shape: tuple[int, int, int, int], rounds: int) -> dict:
-    """One shape's row: graphed and eager ms of the path with and without dependent launches and of cuDNN, and
-    graphed ms of the kernel alone."""
+    """One shape's row: graphed and eager ms of the path with and without dependent launches, on the per-channel
+    staging, and of cuDNN; graphed ms of the kernel alone on each staging; each staging's accuracy against cuDNN."""
     torch.manual_seed(0)
     b, h, s, d = shape
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(3))
     k = k + 0.5 * torch.randn(1, h, 1, d, device="cuda", dtype=torch.bfloat16)  # keys share a mean, as real ones do
     runs: dict[str, Callable[[], torch.Tensor]] = {}
     with torch.no_grad():
-        for name, pdl in (("pdl", True), ("plain", False)):
-            call = prepare_cuda_attention(q, k, v, staging=StagingPool(), out_layout="bshd", pdl=pdl)
+        for name, pdl, block in (("pdl", True, True), ("plain", False, True), ("channel", True, False)):
+            call = prepare_cuda_attention(q, k, v, staging=StagingPool(), out_layout="bshd", pdl=pdl,
+                                          v_block_scale=block)
             runs[name] = lambda call=call: call(q, k, v)
-        staged = quantize_qkv(q, k, v, pv="fp8", block_m=cuda_kernel.STAGING_TILES[0],
-                              block_n=cuda_kernel.STAGING_TILES[1], stage_q=False, **cuda_kernel.staging_options("fp8"))
-        kernel = in_kernel_run(staged, q, 1.0 / math.sqrt(d), out_layout="bshd")  # the path's default scale and layout
-        path_out = runs["pdl"]()
-        equal = torch.equal(path_out, runs["plain"]()) and torch.equal(path_out, kernel())
+        kernels = {}
+        for name, block in (("kernel", True), ("kernel_channel", False)):
+            staged = quantize_qkv(q, k, v, pv="fp8", block_m=cuda_kernel.STAGING_TILES[0],
+                                  block_n=cuda_kernel.STAGING_TILES[1], stage_q=False,
+                                  **cuda_kernel.staging_options("fp8", d, v_block_scale=block))
+            # the path's default scale and layout
+            kernels[name] = in_kernel_run(staged, q, 1.0 / math.sqrt(d), out_layout="bshd")
+        path_out, channel_out = runs["pdl"](), runs["channel"]()
+        equal = (torch.equal(path_out, runs["plain"]()) and torch.equal(path_out, kernels["kernel"]())
+                 and torch.equal(channel_out, kernels["kernel_channel"]()))
         runs["cudnn"] = lambda: F.scaled_dot_product_attention(q, k, v)
+        host = runs["cudnn"]().double().flatten()
+        accuracy = {}
+        for name, out in (("block", path_out), ("channel", channel_out)):
+            x = out.double().flatten()
+            accuracy[f"cos_{name}"] = round(float(F.cosine_similarity(x, host, dim=0)), 6)
+            accuracy[f"rel_l2_{name}"] = round(float((x - host).norm() / host.norm()), 5)
         graphed = alternating_medians({name: bench_sage.captured(fn, GRAPH_CALLS)
-                                       for name, fn in {**runs, "kernel": kernel}.items()}, rounds)
+                                       for name, fn in {**runs, **kernels}.items()}, rounds)
         eager: dict[str, list[float]] = {name: [] for name in runs}
         for r in range(rounds):
             for name in (list(runs) if r % 2 == 0 else list(reversed(runs))):
                 eager[name].append(eager_ms(runs[name]))
-    row: dict = {"shape": "x".join(map(str, shape)), "bit_equal": equal,
+    row: dict = {"shape": "x".join(map(str, shape)), "bit_equal": equal, **accuracy,
+                 "default_staging": "block" if cuda_kernel.block_scale_default(d) else "channel",
                  "graphed_kernel_ms": round(graphed["kernel"], 4),
                  "graphed_kernel_vs_cudnn": round(graphed["cudnn"] / graphed["kernel"], 4),
-                 "graphed_staging_us": round(1000 * (graphed["pdl"] - graphed["kernel"]), 1)}
+                 "graphed_staging_us": round(1000 * (graphed["pdl"] - graphed["kernel"]), 1),
+                 "graphed_kernel_channel_ms": round(graphed["kernel_channel"], 4),
+                 "graphed_kernel_channel_vs_cudnn": round(graphed["cudnn"] / graphed["kernel_channel"], 4),
+                 "graphed_staging_channel_us": round(1000 * (graphed["channel"] - graphed["kernel_channel"]), 1)}
     for mode, ms in (("graphed", graphed), ("eager", {name: statistics.median(t) for name, t in eager.items()})):
         row.update({f"{mode}_{name}_ms": round(ms[name], 4) for name in runs})
         row[f"{mode}_pdl_over_plain"] = round(ms["plain"] / ms["pdl"], 4)
-        row[f"{mode}_pdl_vs_cudnn"] = round(ms["cudnn"] / ms["pdl"], 4)
-        row[f"{mode}_plain_vs_cudnn"] = round(ms["cudnn"] / ms["plain"], 4)
+        row[f"{mode}_pdl_over_channel"] = round(ms["channel"] / ms["pdl"], 4)
+        for name in ("pdl", "plain", "channel"):
+            row[f"{mode}_{name}_vs_cudnn"] = round(ms["cudnn"] / ms[name], 4)
     return row
 
 
@@ -105,13 +127,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for shape in args.shapes:
         r = compare(shape, args.rounds)
         rows.append(r)
-        print(f"{r['shape']:>16}  bit-equal {r['bit_equal']}  graphed: pdl {r['graphed_pdl_ms']:.4f} plain "
-              f"{r['graphed_plain_ms']:.4f} cuDNN {r['graphed_cudnn_ms']:.4f} ms, pdl/plain "
-              f"{r['graphed_pdl_over_plain']:.3f}x, vs cuDNN {r['graphed_pdl_vs_cudnn']:.3f}x (plain "
-              f"{r['graphed_plain_vs_cudnn']:.3f}x); kernel alone {r['graphed_kernel_ms']:.4f} ms, "
-              f"{r['graphed_kernel_vs_cudnn']:.3f}x cuDNN, staging {r['graphed_staging_us']:.1f} us | "
-              f"eager: pdl/plain {r['eager_pdl_over_plain']:.3f}x, vs cuDNN "
-              f"{r['eager_pdl_vs_cudnn']:.3f}x (plain {r['eager_plain_vs_cudnn']:.3f}x)", flush=True)
+        print(f"{r['shape']:>16}  bit-equal {r['bit_equal']}  default {r['default_staging']}  graphed: pdl "
+              f"{r['graphed_pdl_ms']:.4f} plain "
+              f"{r['graphed_plain_ms']:.4f} channel {r['graphed_channel_ms']:.4f} cuDNN {r['graphed_cudnn_ms']:.4f} "
+              f"ms; vs cuDNN pdl {r['graphed_pdl_vs_cudnn']:.3f}x plain {r['graphed_plain_vs_cudnn']:.3f}x channel "
+              f"{r['graphed_channel_vs_cudnn']:.3f}x; kernel alone {r['graphed_kernel_ms']:.4f} ms "
+              f"{r['graphed_kernel_vs_cudnn']:.3f}x (channel {r['graphed_kernel_channel_ms']:.4f} ms "
+              f"{r['graphed_kernel_channel_vs_cudnn']:.3f}x), staging {r['graphed_staging_us']:.1f} us (channel "
+              f"{r['graphed_staging_channel_us']:.1f}) | eager vs cuDNN: pdl {r['eager_pdl_vs_cudnn']:.3f}x plain "
+              f"{r['eager_plain_vs_cudnn']:.3f}x channel {r['eager_channel_vs_cudnn']:.3f}x | vs cuDNN's output: "
+              f"cos {r['cos_block']:.6f} (channel {r['cos_channel']:.6f}), rel-L2 {r['rel_l2_block']:.5f} "
+              f"(channel {r['rel_l2_channel']:.5f})", flush=True)
     write_rows(args.json, rows, rounds=args.rounds)
     return rows
 

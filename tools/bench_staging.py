@@ -6,8 +6,10 @@ loaded beside the current one. Per shape (random bf16 Q, K with a per-channel me
 diffusers passes them): both stage the same tensors, every buffer the attention kernel reads is compared bit for bit,
 and the staging alone is timed replayed from CUDA graphs of 10 calls, the two alternating over `--rounds` rounds
 (median), with cuDNN's SDPA graphed beside them for scale. A staging change is judged by this. The current
-module's three launches (statistics, their reduction, the K/V pass) are also timed one by one in the same rounds, to
-show where its time goes.
+module's launches (statistics, their reduction, the K/V pass; no reduction in the block-scale staging) are also
+timed one by one in the same rounds, to show where its time goes. Both stage as the CUDA path does at the shape's
+head dim (`cuda_kernel.staging_options`: V scaled per key block at D64, per channel at D128), but per channel where
+the old module has no `v_block_scale`.
 
     python tools/bench_staging.py --against REV | --before-source FILE [--shapes 1x24x4608x128,...]
                                   [--without-q] [--rounds N] [--json out.json]
@@ -64,7 +66,12 @@ def compare(shape: tuple[int, int, int, int], modules: dict[str, ModuleType], ro
     b, h, s, d = shape
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(3))
     k = k + 0.5 * torch.randn(1, h, 1, d, device="cuda", dtype=torch.bfloat16)  # keys share a mean, as real ones do
-    options = dict(cuda_kernel.staging_options("fp8"), **({} if stage_q else {"stage_q": False}))
+    block = cuda_kernel.block_scale_default(d) and all(
+        "v_block_scale" in inspect.signature(module.staging_plan).parameters for module in modules.values())
+    options = dict(cuda_kernel.staging_options("fp8", d, v_block_scale=block),
+                   **({} if stage_q else {"stage_q": False}))
+    if not block:  # a module from before the block-scale staging knows no such keyword
+        del options["v_block_scale"]
     plans = {name: module.staging_plan(q, k, v, pv="fp8", block_m=cuda_kernel.STAGING_TILES[0],
                                        block_n=cuda_kernel.STAGING_TILES[1], **options)
              for name, module in modules.items()}
@@ -78,16 +85,19 @@ def compare(shape: tuple[int, int, int, int], modules: dict[str, ModuleType], ro
     now = plans["now"]
     launches = {"statistics": lambda: now.launch_statistics(q, k, v), "reduction": now.launch_reduction,
                 "kv_pass": lambda: now.launch_kv_pass(k, v)}
+    if now.finalize is None:
+        del launches["reduction"]
     graphs.update({f"now_{name}": bench_sage.captured(fn, GRAPH_CALLS) for name, fn in launches.items()})
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
         graphs["cudnn"] = bench_sage.captured(lambda: F.scaled_dot_product_attention(q, k, v), GRAPH_CALLS)
     us = {name: 1e3 * ms for name, ms in alternating_medians(graphs, rounds).items()}
-    moved = (3 * q.numel() if stage_q else 0) + 5 * k.numel() + 5 * v.numel()  # bytes: Q read and written as INT8
-    #                                                                          K, V read twice and written
+    # bytes: Q read and written as INT8; K, V read twice (statistics, then their pass) or once, and written
+    moved = (3 * q.numel() if stage_q else 0) + (3 if block else 5) * (k.numel() + v.numel())
     return {"shape": "x".join(map(str, shape)), "before_us": round(us["before"], 2), "now_us": round(us["now"], 2),
             "speedup": round(us["before"] / us["now"], 4), "cudnn_us": round(us["cudnn"], 2),
             "now_launches_us": {name: round(us[f"now_{name}"], 2) for name in launches},
-            "now_tb_per_s": round(moved / us["now"] / 1e6, 2), "bit_equal": not differing, "differing": differing}
+            "now_tb_per_s": round(moved / us["now"] / 1e6, 2), "bit_equal": not differing, "differing": differing,
+            "v_block_scale": block}
 
 
 def main(argv: list[str] | None = None) -> None:

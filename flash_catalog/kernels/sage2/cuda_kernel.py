@@ -1,12 +1,15 @@
 """sage2 attention through the CUDA C++ Hopper kernel (`cuda/sage2_sm90.cu`), built with nvcc at first use.
 
 The same algorithm as `sage2_attention(pv=...)` (K smoothing, per-tile INT8 Q/K, exp2 online softmax; pv="fp8":
-e4m3 P and per-channel e4m3 V, pv="fp16": fp16 P and V), on `quantize_qkv` staging with 64-row Q tiles and 128-key K
-tiles; V^T in the kernel's MMA order for pv="fp8", V's padded fp16 copy for pv="fp16". What the kernel does that
-the Triton and Gluon ones do not: FP8 P.V accumulates in a fresh fp32 block per 128 keys that is then added to the
-output accumulator (the FP8 MMA's own accumulator is reduced-precision), P is packed straight into the MMA's A
-registers, and, where Q's rows are 16-byte aligned (`q_in_kernel_serves`), the kernel quantises Q itself, so that
-`sage2_cuda_attention` stages only K and V. sm_90 only; D 64 or 128; GQA, causal and any lengths.
+e4m3 P and e4m3 V, pv="fp16": fp16 P and V), on `quantize_qkv` staging with 64-row Q tiles and 128-key K tiles; V^T
+in the kernel's MMA order for pv="fp8", V's padded fp16 copy for pv="fp16". What the kernel does that the Triton and
+Gluon ones do not: FP8 P.V accumulates in a fresh fp32 block per 128 keys that is then added to the output
+accumulator (the FP8 MMA's own accumulator is reduced-precision), P is packed straight into the MMA's A registers,
+and, where Q's rows are 16-byte aligned (`q_in_kernel_serves`), the kernel quantises Q itself, so that
+`sage2_cuda_attention` stages only K and V. For pv="fp8" at D64 the path stages with `v_block_scale`: K's mean from
+a sample and V's scale per 128-key block, so the staging reads K and V once (no statistics pass); at D128 V's scales
+are per channel (the Triton kernel's staging), where the kernel runs faster (`block_scale_default`). sm_90 only;
+D 64 or 128; GQA, causal and any lengths.
 """
 
 from __future__ import annotations
@@ -39,10 +42,21 @@ def build() -> CudaBuild:
     return load_library(SOURCE)
 
 
-def staging_options(pv: str) -> dict[str, bool]:
-    """`quantize_qkv`'s keywords for how the kernel needs V staged: V^T in its FP8 MMA order, or V's padded fp16
-    copy."""
-    return {"v_mma_order": True} if pv == "fp8" else {"v_fp16": True}
+def block_scale_default(head_dim: int) -> bool:
+    """Whether the path stages FP8 V with one scale per 128-key block by default (`quantize_qkv(...,
+    v_block_scale=True)`): at D64, where the kernel on it measured faster than on per-channel scales and its staging
+    saves the statistics pass; not at D128, where that kernel measured slower by more than the staging saves
+    (BENCHMARKS.md, 49th session)."""
+    return head_dim == 64
+
+
+def staging_options(pv: str, head_dim: int, *, v_block_scale: bool | None = None) -> dict[str, bool]:
+    """`quantize_qkv`'s keywords for how the kernel needs V staged: V^T in its FP8 MMA order, scaled per key block
+    or per channel (`v_block_scale`; None: `block_scale_default`), or V's padded fp16 copy."""
+    if pv != "fp8":
+        return {"v_fp16": True}
+    return {"v_mma_order": True,
+            "v_block_scale": block_scale_default(head_dim) if v_block_scale is None else v_block_scale}
 
 
 def cuda_refusal(q: torch.Tensor, pv: str) -> str | None:
@@ -141,7 +155,9 @@ def staging_keys(q: torch.Tensor, k: torch.Tensor, pv: str, is_causal: bool = Fa
                  q_in_kernel: bool = True) -> tuple[StagingKey, ...]:
     """The pool keys a `sage2_cuda_attention(q, k, v, pv=pv, is_causal=is_causal, staging=pool,
     q_in_kernel=q_in_kernel)` call draws."""
-    keys = staging_keys_of(q, k, pv=pv, block_m=STAGING_TILES[0], block_n=STAGING_TILES[1], v_fp16=pv == "fp16",
+    options = staging_options(pv, q.shape[-1])
+    keys = staging_keys_of(q, k, pv=pv, block_m=STAGING_TILES[0], block_n=STAGING_TILES[1],
+                           v_fp16=options.get("v_fp16", False), v_block_scale=options.get("v_block_scale", False),
                            stage_q=not (q_in_kernel and q_in_kernel_serves(q)))
     plan = plan_for(tuple(q.shape), k.shape[2], is_causal, q.device)
     if not plan.splits:
@@ -171,7 +187,7 @@ def launcher(lib: ctypes.CDLL) -> Launcher:
     launch, error = lib.fc_sage2_sm90, lib.fc_sage2_sm90_error
     p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
     launch.argtypes = [p, p, p, p, p, p, p, p, i, i, i, i, i, i, i, i, i, ll, ll, ll, i, i, i, i, p, p, p,
-                       p, ll, ll, ll, i, ctypes.c_float, i]
+                       p, ll, ll, ll, i, ctypes.c_float, i, i]
     launch.restype = i
     error.argtypes = []
     error.restype = ctypes.c_char_p
@@ -231,7 +247,7 @@ class KernelLaunch:
     the log-sum-exp and the stream (`tail`) and after Q's pointer (`q_tail`), and the tensors they point into
     (`holds`: the split's scratch, which nothing else may keep alive). `pdl`: launched as a programmatic dependent
     of the stream's previous kernel (the staging's K/V pass), so that it starts, and quantises Q, while that one
-    ends."""
+    ends. `v_block_scale`: the staging scales V per key block."""
 
     launcher: Launcher
     device: torch.device
@@ -241,13 +257,15 @@ class KernelLaunch:
     q_in_kernel: bool
     holds: tuple[torch.Tensor, ...]
     pdl: bool
+    v_block_scale: bool
 
     def __call__(self, out: torch.Tensor, lse: torch.Tensor | None, q: torch.Tensor | None = None) -> None:
         """Launch on the current device, which must be the tensors' (`on_device`); `q`: the call's Q, where the
         kernel quantises it (`q_in_kernel`), else unused."""
         self.launcher(*self.head, out.data_ptr(), lse.data_ptr() if lse is not None else None, *self.tail,
                       torch._C._cuda_getCurrentRawStream(self.device.index),  # not a Stream object per call
-                      q.data_ptr() if self.q_in_kernel else None, *self.q_tail, int(self.pdl))
+                      q.data_ptr() if self.q_in_kernel else None, *self.q_tail, int(self.pdl),
+                      int(self.v_block_scale))
 
 
 def on_device(device: torch.device) -> contextlib.AbstractContextManager[object]:
@@ -291,7 +309,8 @@ def kernel_launch(staged: Sage2Staged, out_dtype: torch.dtype, out_strides: tupl
     holds = tuple(t for t in (part_o, part_lse) if t is not None)
     q_tail = ((*q_in_kernel.strides, int(q_in_kernel.bf16), q_in_kernel.scale_mult) if q_in_kernel is not None
               else (0, 0, 0, 0, 0.0))
-    return KernelLaunch(launcher(built.library), device, head, tail, q_tail, q_in_kernel is not None, holds, pdl)
+    return KernelLaunch(launcher(built.library), device, head, tail, q_tail, q_in_kernel is not None, holds, pdl,
+                        staged.v_block_scale)
 
 
 def sage2_cuda_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, is_causal: bool = False,
@@ -354,10 +373,13 @@ class CudaAttention:
 def prepare_cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
                            pv: str = "fp8", is_causal: bool = False, staging: StagingPool | None = None,
                            return_lse: bool = False, out_layout: str = "bhsd",
-                           q_in_kernel: bool = True, pdl: bool = True) -> CudaAttention:
+                           q_in_kernel: bool = True, pdl: bool = True,
+                           v_block_scale: bool | None = None) -> CudaAttention:
     """The `CudaAttention` of `sage2_cuda_attention(q, k, v, ...)` (the same arguments, checked here). `pdl`: the
     staging's later launches and the kernel start as programmatic dependents of the launch before each
-    (`StagingPlan.pdl`, `KernelLaunch.pdl`); False launches each after the last has ended."""
+    (`StagingPlan.pdl`, `KernelLaunch.pdl`); False launches each after the last has ended. `v_block_scale`
+    (pv="fp8"): V's scale per key block (True) or per channel after a statistics pass (False); None: the default
+    at this head dim (`block_scale_default`)."""
     validate_inputs(q, k, v, pv=pv, scale=scale, is_causal=is_causal)
     why = cuda_refusal(q, pv)
     if why is not None:
@@ -370,7 +392,8 @@ def prepare_cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         return CudaAttention(None, None, out_shape, out_layout, return_lse, sm_scale)
     raw_q = QInKernel.of(q, sm_scale) if q_in_kernel and q_in_kernel_serves(q) else None
     plan = staging_plan(q, k, v, sm_scale=sm_scale, pv=pv, block_m=STAGING_TILES[0], block_n=STAGING_TILES[1],
-                        validate=False, staging=staging, stage_q=raw_q is None, pdl=pdl, **staging_options(pv))
+                        validate=False, staging=staging, stage_q=raw_q is None, pdl=pdl,
+                        **staging_options(pv, d, v_block_scale=v_block_scale))
     launch = kernel_launch(plan.staged(v), q.dtype, strides, is_causal, True, staging, raw_q, pdl)
     return CudaAttention(plan, launch, out_shape, out_layout, return_lse, sm_scale)
 

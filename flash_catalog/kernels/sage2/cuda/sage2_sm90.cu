@@ -280,7 +280,9 @@ __device__ __forceinline__ void wgmma_f16_m64k16(float (&d)[N / 2], const uint32
 struct Params {
   const float* q_scale;  // (B*Hq, n_qb): per 64-row tile, softmax scale * log2(e) folded in
   const float* k_scale;  // (B*Hkv, n_kb): per 128-key tile
-  const float* v_scale;  // (B*Hkv, D): per channel, amax / 448 (FP8 P.V); null for fp16 P.V
+  // FP8 P.V: (B*Hkv, D), per channel, amax / 448; or with VBLK (the staging's v_block_scale) (B*Hkv, n_kb), per
+  // 128-key block. Null for fp16 P.V.
+  const float* v_scale;
   void* out;             // (B, Hq, Sq, D), unit stride along D
   float* lse;            // (B, Hq, Sq) natural log-sum-exp of the scores seen (K less its mean), or null
   long long stride_ob, stride_oh, stride_os;
@@ -314,9 +316,13 @@ struct SharedStorage {
   uint64_t q_full;
   uint64_t vs_full;  // FP8 P.V: V's per-channel scales of the CTA's head, in v_scale below
   alignas(16) float v_scale[D];
+  // VBLK: the stage's K scale and V's scale ratio (the previous block's over this one's, 1 for the first), put there
+  // by the producer with its loads, and (v_last, last) the last block's V scale (the epilogue's)
+  float2 blk_scale[STAGES];
   float q_amax[NC][4];  // Q quantised in the kernel: each consumer warp's max|q|
   float zero_f32;  // 0.0f and INT_MIN, read after the token's barriers (Turn)
   int int_min;
+  float v_last;
 };
 
 // Online softmax of one 64 x 128 score block held as the wgmma accumulator (thread: rows r0, r0 + 8; keys
@@ -516,7 +522,10 @@ __device__ __forceinline__ float quantize_q_tile(const Params& prm, int8_t* tile
   return __fmul_rn(__fdiv_rn(amax, 127.0f), prm.q_scale_mult);
 }
 
-template <int D, int NC, int STAGES, bool CAUSAL, bool PV16>
+// VBLK (FP8 P.V): V's scale is one per key block, s_j. O is then carried divided by the last block's scale: O' =
+// O' * alpha * s_{j-1} / s_j + block, one multiply per row and block where a per-element multiply by s_j would
+// otherwise come, and the epilogue multiplies by the last s_j where it multiplied by V's per-channel scales.
+template <int D, int NC, int STAGES, bool CAUSAL, bool PV16, bool VBLK>
 __global__ void __launch_bounds__(128 * (NC + 1), 1)
     sage2_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                       const __grid_constant__ CUtensorMap tm_v, const Params prm) {
@@ -564,7 +573,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
     if (threadIdx.x == 0) {
       grid_wait();  // the staging's outputs: nothing it writes is read before this
-      if constexpr (!PV16) {  // the epilogue's scales, in shared memory long before it needs them
+      if constexpr (!PV16 && !VBLK) {  // the epilogue's scales, in shared memory long before it needs them
         mbar_expect_tx(&sm.vs_full, D * 4);
         bulk_load(sm.v_scale, prm.v_scale + static_cast<long long>(bhk) * D, D * 4, &sm.vs_full);
       }
@@ -573,11 +582,19 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
 #pragma unroll
         for (int i = 0; i < NC; ++i) tma_load_3d(sm.q + i * 64 * D, &tm_q, &sm.q_full, 0, m_base + 64 * i, bh);
       }
+      float vs_prev = 1.0f;  // VBLK: the previous block's V scale
       for (int jj = 0; jj < n_loc; ++jj) {
         const int j = j0 + jj;
         const int slot = jj % STAGES;
         mbar_wait(&sm.empty[slot], ((jj / STAGES) & 1) ^ 1);
-        mbar_expect_tx(&sm.full[slot], (PV16 ? 3 : 2) * kBlockN * D);
+        if constexpr (VBLK) {  // the block's scales travel with it
+          const long long at = static_cast<long long>(bhk) * prm.n_kb + j;
+          const float vs = prm.v_scale[at];
+          sm.blk_scale[slot] = make_float2(prm.k_scale[at], jj == 0 ? 1.0f : __fdividef(vs_prev, vs));
+          vs_prev = vs;
+          if (jj == n_loc - 1) sm.v_last = vs;
+        }
+        mbar_expect_tx(&sm.full[slot], (PV16 ? 3 : 2) * kBlockN * D);  // its arrive publishes blk_scale
         tma_load_3d(sm.k[slot], &tm_k, &sm.full[slot], 0, j * kBlockN, bhk);
         if constexpr (PV16) {  // byte columns [128 i, 128 i + 128) of V's 2D-byte rows: 64 values of D each
 #pragma unroll
@@ -634,7 +651,12 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs(s);
-    const float c = q_scale * k_scale[j];
+    float c;
+    if constexpr (VBLK) {
+      c = q_scale * sm.blk_scale[slot].x;
+    } else {
+      c = q_scale * k_scale[j];
+    }
     const Turn turn{1 + cw, 1 + (cw + 1) % NC, !(cw == NC - 1 && jj == n_loc - 1), smem_u32(&sm.zero_f32),
                     smem_u32(&sm.int_min)};
     if (j < n_plain) {
@@ -660,6 +682,12 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
       wgmma_commit();
       wgmma_wait<0>();
       fence_regs(ob);
+      if constexpr (VBLK) {  // O' from the previous block's V scale to this one's (read before the stage's release;
+                             // not held through the softmax, where the registers are short)
+        const float ratio = ld_shared_f32(smem_u32(&sm.blk_scale[slot].y));
+        alpha[0] *= ratio;
+        alpha[1] *= ratio;
+      }
       if (lane == 0) mbar_arrive(&sm.empty[slot]);
 #pragma unroll
       for (int i = 0; i < D / 2; ++i) o[i] = fmaf(o[i], alpha[(i >> 1) & 1], ob[i]);
@@ -672,16 +700,17 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
     l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], 1);
     l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], 2);
   }
-  const float inv_l[2] = {1.0f / l[0], 1.0f / l[1]};
+  const float v_last = VBLK ? sm.v_last : 1.0f;  // VBLK: O' back in V's units (put there before the last block)
+  const float inv_l[2] = {v_last / l[0], v_last / l[1]};
   // V's scales from shared memory (vs_full completed long ago): a global load between the output's stores would
   // wait for the store before it, and each such wait is a CTA's time with nothing else running on its SM
   const int t = lane & 3;
-  if constexpr (!PV16) mbar_wait(&sm.vs_full, 0);
+  if constexpr (!PV16 && !VBLK) mbar_wait(&sm.vs_full, 0);
   // this thread's scales of channels 8 j + 2 t + {0, 1}, read where used (a shared load's short wait; no registers
   // held across the epilogue)
   const auto scale_of = [&](int j) {
     float2 vs = make_float2(1.0f, 1.0f);
-    if constexpr (!PV16)
+    if constexpr (!PV16 && !VBLK)
       asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(vs.x), "=f"(vs.y)
                    : "r"(smem_u32(sm.v_scale + 8 * j + 2 * t)));
     return vs;
@@ -846,10 +875,10 @@ bool make_map(CUtensorMap* map, const void* base, uint64_t dim0, uint64_t dim1, 
                      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-template <int D, int NC, int STAGES, bool CAUSAL, bool PV16>
+template <int D, int NC, int STAGES, bool CAUSAL, bool PV16, bool VBLK>
 int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& prm, int batch,
            int sq_pad, cudaStream_t stream) {
-  auto kernel = sage2_sm90_kernel<D, NC, STAGES, CAUSAL, PV16>;
+  auto kernel = sage2_sm90_kernel<D, NC, STAGES, CAUSAL, PV16, VBLK>;
   const int smem = static_cast<int>(sizeof(SharedStorage<D, NC, STAGES, PV16>)) + 1024;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return fail(3, cudaGetErrorString(err));
@@ -876,18 +905,19 @@ int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, 
   return 0;
 }
 
-template <int D, int NC, int STAGES, bool PV16>
+template <int D, int NC, int STAGES, bool PV16, bool VBLK>
 int launch_causal(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& prm,
                   int batch, int sq_pad, int causal, cudaStream_t stream) {
-  return causal ? launch<D, NC, STAGES, true, PV16>(tq, tk, tv, prm, batch, sq_pad, stream)
-                : launch<D, NC, STAGES, false, PV16>(tq, tk, tv, prm, batch, sq_pad, stream);
+  return causal ? launch<D, NC, STAGES, true, PV16, VBLK>(tq, tk, tv, prm, batch, sq_pad, stream)
+                : launch<D, NC, STAGES, false, PV16, VBLK>(tq, tk, tv, prm, batch, sq_pad, stream);
 }
 
 template <int D, int NC, int STAGES>
 int launch_pv(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& prm, int batch,
-              int sq_pad, int causal, int pv_fp16, cudaStream_t stream) {
-  return pv_fp16 ? launch_causal<D, NC, STAGES, true>(tq, tk, tv, prm, batch, sq_pad, causal, stream)
-                 : launch_causal<D, NC, STAGES, false>(tq, tk, tv, prm, batch, sq_pad, causal, stream);
+              int sq_pad, int causal, int pv_fp16, int v_block_scale, cudaStream_t stream) {
+  if (pv_fp16) return launch_causal<D, NC, STAGES, true, false>(tq, tk, tv, prm, batch, sq_pad, causal, stream);
+  return v_block_scale ? launch_causal<D, NC, STAGES, false, true>(tq, tk, tv, prm, batch, sq_pad, causal, stream)
+                       : launch_causal<D, NC, STAGES, false, false>(tq, tk, tv, prm, batch, sq_pad, causal, stream);
 }
 
 }  // namespace
@@ -909,20 +939,22 @@ const char* fc_sage2_sm90_error() { return g_error; }
 // the staging would, with q_scale_mult (softmax scale * log2(e)) folded into the scales; q8 and q_scale are then
 // unused (null). These come last so that callers of builds without them keep their argument order. pdl != 0:
 // launch as a programmatic dependent of the stream's previous kernel, which must write nothing of Q as passed
-// (q_raw is read before the wait); the staging's K/V pass does not.
+// (q_raw is read before the wait); the staging's K/V pass does not. v_block_scale != 0 (FP8 P.V): v_scale is
+// (B, Hkv, skv_pad / 128), V's scale per key block (quantize_qkv(..., v_block_scale=True)).
 // Returns 0, or a nonzero code with fc_sage2_sm90_error() saying why.
 int fc_sage2_sm90(const void* q8, const void* k8, const void* v, const float* q_scale, const float* k_scale,
                   const float* v_scale, void* out, float* lse, int out_bf16, int batch, int hq, int hkv, int sq,
                   int sq_pad, int skv, int skv_pad, int head_dim, long long stride_ob, long long stride_oh,
                   long long stride_os, int causal, int pv_fp16, int n_full, int n_split, float* part_o,
                   float* part_lse, void* stream, const void* q_raw, long long stride_qb, long long stride_qh,
-                  long long stride_qs, int q_bf16, float q_scale_mult, int pdl) {
+                  long long stride_qs, int q_bf16, float q_scale_mult, int pdl, int v_block_scale) {
   if (head_dim != 64 && head_dim != 128) return fail(1, "head_dim must be 64 or 128");
   if (hkv <= 0 || hq % hkv != 0) return fail(1, "query heads must be a multiple of key/value heads");
   if (sq <= 0 || skv <= 0 || sq_pad % 64 != 0 || skv_pad % kBlockN != 0 || sq_pad < sq || skv_pad < skv)
     return fail(1, "sequence lengths or their padding are invalid (sq_pad: multiple of 64, skv_pad: of 128)");
   if (batch * hq > 65535) return fail(1, "batch x heads exceeds 65535");
   if ((v_scale == nullptr) != (pv_fp16 != 0)) return fail(1, "v_scale is for FP8 P.V only: pass it exactly then");
+  if (v_block_scale && pv_fp16) return fail(1, "v_block_scale is for FP8 P.V only");
   constexpr int kConsumers = 3;  // two measured 10-20% slower on the H200, also taking turns FA3-style
   const int n_mb = (sq_pad + 64 * kConsumers - 1) / (64 * kConsumers);
   const long long n_tiles = static_cast<long long>(n_mb) * batch * hq;
@@ -952,8 +984,9 @@ int fc_sage2_sm90(const void* q8, const void* k8, const void* v, const float* q_
                    static_cast<int>(n_tiles), n_full, splits ? n_split : 1, part_o, part_lse,
                    q_raw, stride_qb, stride_qh, stride_qs, q_bf16, q_scale_mult, pdl != 0};
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  if (head_dim == 128) return launch_pv<128, kConsumers, 4>(tq, tk, tv, prm, batch, sq_pad, causal, pv_fp16, st);
-  return launch_pv<64, kConsumers, 6>(tq, tk, tv, prm, batch, sq_pad, causal, pv_fp16, st);
+  if (head_dim == 128)
+    return launch_pv<128, kConsumers, 4>(tq, tk, tv, prm, batch, sq_pad, causal, pv_fp16, v_block_scale, st);
+  return launch_pv<64, kConsumers, 6>(tq, tk, tv, prm, batch, sq_pad, causal, pv_fp16, v_block_scale, st);
 }
 
 }  // extern "C"
