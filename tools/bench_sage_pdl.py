@@ -1,18 +1,18 @@
 """The sage2 CUDA path with programmatic dependent launches against without, and with its two stagings, side by side
 in one process.
 
-The path is `sage2_cuda_attention`'s: the staging (K's sampled mean, then the K/V pass with V's scales per key
-block; or, `channel`, statistics, their reduction, then the K/V pass with V's scales per channel), then the kernel
-quantising Q itself (and the split's combine where the plan splits), on random bf16 Q, K with a per-channel mean and
-V in Flux's (B, S, H, D) storage. `pdl` launches the staging's later launches and the kernel as programmatic
-dependents of the launch before each (`prepare_cuda_attention(pdl=True)`, the default); `plain` launches each after
-the last has ended; `channel` is `pdl` on the per-channel staging (`v_block_scale=False`); the row names which of the
-two the path takes by default at the shape's head dim (`block_scale_default`). All are timed replayed
-from CUDA graphs of 10 calls and eagerly (20 calls queued behind a GPU sleep, so that the launches' host time is
-hidden), alternating with cuDNN's SDPA over `--rounds` rounds (median). `kernel` and `kernel_channel` are the kernel
-alone on each staging made once (graphed only, alternating with the others): the path less it is what the staging
-and its launches cost. Each staging's outputs must be equal bit for bit; each is compared with cuDNN's (cosine,
-relative L2) for accuracy.
+The path is `sage2_cuda_attention`'s on each FP8 staging: the block-scale one (K's sampled mean, then the K/V pass
+with V's scales per key block) or the per-channel one (statistics, their reduction, then the K/V pass with V's scales
+per channel), then the kernel quantising Q itself (and the split's combine where the plan splits), on random bf16 Q,
+K with a per-channel mean and V in Flux's (B, S, H, D) storage. `pdl` (block-scale) launches the staging's later
+launches and the kernel as programmatic dependents of the launch before each (`prepare_cuda_attention(pdl=True)`,
+the default); `plain` (block-scale) launches each after the last has ended; `channel` is `pdl` on the per-channel
+staging (`v_block_scale=False`). Each row names which staging the path takes by default at its head dim
+(`block_scale_default`). All are timed replayed from CUDA graphs of 10 calls and eagerly (20 calls queued behind a
+GPU sleep, so that the launches' host time is hidden), alternating with cuDNN's SDPA over `--rounds` rounds (median).
+`kernel` and `kernel_channel` are the kernel alone on each staging made once (graphed only, alternating with the
+others): the path less it is what the staging and its launches cost. Each staging's outputs must be equal bit for
+bit; each is compared with cuDNN's (cosine, relative L2) for accuracy.
 
     python tools/bench_sage_pdl.py [--shapes 1x24x4608x128,...] [--rounds N] [--json out.json]
 """
