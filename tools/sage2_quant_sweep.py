@@ -57,8 +57,8 @@ def shape_rows(b: int, h: int, s: int, d: int) -> dict[str, float]:
         n_stats = n_chunks * b * h if stats else 0
         grid = (n_stats + (n_qb * b * h if q_tiles else 0),)
         return replayed_us(lambda: quant._stats_and_q_kernel[grid](
-            k, v, ksum, vmax, q, q8, q_scale, ksum, *k.stride(), *v.stride(), *q.stride(), h, s, n_chunks, n_stats,
-            h, s, n_qb * 64, n_qb, 0, 0.1, CHUNK=chunk, SUB=sub, HEAD_DIM=d, WITH_V=True, BLOCK_M=64,
+            k, v, ksum, vmax, q, q8, q_scale, *k.stride(), *v.stride(), *q.stride(), h, s, n_chunks, n_stats,
+            h, s, n_qb * 64, n_qb, 0.1, CHUNK=chunk, SUB=sub, HEAD_DIM=d, WITH_V=True, BLOCK_M=64,
             num_warps=warps))
 
     for chunk, sub, warps in STATS:
