@@ -57,6 +57,19 @@ def test_refusals_name_the_reason():
         assert "head_dim 64 or 128; got 96" in sage2_cuda.cuda_refusal(qc[..., :96], "fp8")
 
 
+def test_v_is_scaled_per_key_block_by_default_at_d64_only():
+    """The path's FP8 staging: V's scale per 128-key block at D64, per channel at D128 (where the kernel on block
+    scales measured slower); either on request; block scales asked of fp16 P.V refused by name."""
+    assert sage2_cuda.staging_options("fp8", 64) == {"v_mma_order": True, "v_block_scale": True}
+    assert sage2_cuda.staging_options("fp8", 128) == {"v_mma_order": True, "v_block_scale": False}
+    assert sage2_cuda.staging_options("fp8", 128, v_block_scale=True)["v_block_scale"] is True
+    assert sage2_cuda.staging_options("fp8", 64, v_block_scale=False)["v_block_scale"] is False
+    assert sage2_cuda.staging_options("fp16", 64) == {"v_fp16": True}
+    with pytest.raises(ValueError, match=r"v_block_scale=True scales FP8 V per key block; pv='fp16' stages V in "
+                                         r"fp16: pass pv='fp8', or leave v_block_scale unset$"):
+        sage2_cuda.staging_options("fp16", 64, v_block_scale=True)
+
+
 def test_staging_laid_out_other_than_dense_is_refused_by_name():
     """The kernel reads its staging by raw pointers: a strided tensor (as a compiler may lay one out) is refused,
     named, before anything launches."""
