@@ -64,10 +64,11 @@ def test_v_is_scaled_per_key_block_by_default_at_d64_only():
     assert sage2_cuda.staging_options("fp8", 128) == {"v_mma_order": True, "v_block_scale": False}
     assert sage2_cuda.staging_options("fp8", 128, v_block_scale=True)["v_block_scale"] is True
     assert sage2_cuda.staging_options("fp8", 64, v_block_scale=False)["v_block_scale"] is False
-    assert sage2_cuda.staging_options("fp16", 64) == {"v_fp16": True}
-    with pytest.raises(ValueError, match=r"v_block_scale=True scales FP8 V per key block; pv='fp16' stages V in "
-                                         r"fp16: pass pv='fp8', or leave v_block_scale unset$"):
-        sage2_cuda.staging_options("fp16", 64, v_block_scale=True)
+    assert sage2_cuda.staging_options("fp16", 64) == {"v_fp16": True, "v_block_scale": False}
+    q, k, v = (torch.randn(1, 2, 64, 64, dtype=torch.bfloat16, device=DEVICE) for _ in range(3))
+    with pytest.raises(ValueError, match=r"v_block_scale=True scales FP8 V per block for pv='fp8'; got pv='fp16'$"):
+        quantize_qkv(q, k, v, pv="fp16", block_m=64, block_n=128,
+                     **sage2_cuda.staging_options("fp16", 64, v_block_scale=True))
 
 
 def test_staging_laid_out_other_than_dense_is_refused_by_name():

@@ -52,12 +52,10 @@ def block_scale_default(head_dim: int) -> bool:
 
 def staging_options(pv: str, head_dim: int, *, v_block_scale: bool | None = None) -> dict[str, bool]:
     """`quantize_qkv`'s keywords for how the kernel needs V staged: V^T in its FP8 MMA order, scaled per key block
-    or per channel (`v_block_scale`; None: `block_scale_default`), or V's padded fp16 copy."""
+    or per channel (`v_block_scale`; None: `block_scale_default`), or V's padded fp16 copy (block scales asked of
+    it are passed on for `staging_plan` to refuse)."""
     if pv != "fp8":
-        if v_block_scale:
-            raise ValueError(f"v_block_scale=True scales FP8 V per key block; pv={pv!r} stages V in fp16: pass "
-                             "pv='fp8', or leave v_block_scale unset")
-        return {"v_fp16": True}
+        return {"v_fp16": True, "v_block_scale": bool(v_block_scale)}
     return {"v_mma_order": True,
             "v_block_scale": block_scale_default(head_dim) if v_block_scale is None else v_block_scale}
 
