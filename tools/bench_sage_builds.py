@@ -8,10 +8,13 @@ with cuDNN's SDPA graphed beside them. Accuracy: cosine and relative L2 error ag
 the two builds' relative L2 distance. A kernel change is judged by this, not by two runs of `bench_sage.py`.
 
     python tools/bench_sage_builds.py --against REV | --before-source FILE [--shapes 1x24x4608x128,...]
-                                      [--pv fp8,fp16] [--q-in-kernel] [--rounds N] [--json out.json]
+                                      [--pv fp8,fp16] [--q-in-kernel] [--v-scales default|block|channel]
+                                      [--rounds N] [--json out.json]
 
 `--q-in-kernel` times both builds quantising Q themselves from the caller's Q (the staging then holds K and V
-only), as `sage2_cuda_attention` runs the kernel; both sources must take `q_raw`.
+only), as `sage2_cuda_attention` runs the kernel; both sources must take `q_raw`. `--v-scales` picks FP8 V's
+staging for both builds: the path's default at each head dim, one scale per 128-key block (the VBLK kernels), or
+one per channel.
 """
 
 from __future__ import annotations
@@ -175,8 +178,11 @@ def write_rows(path: Path | None, rows: list[dict], **settings: object) -> None:
     path.write_text(json.dumps({"env": env, "rows": rows}, indent=1))
 
 
+V_SCALES = {"default": None, "block": True, "channel": False}
+
+
 def compare(shape: tuple[int, int, int, int], pv: str, builds: dict[str, CudaBuild], rounds: int,
-            q_in_kernel: bool = False) -> dict:
+            q_in_kernel: bool = False, v_scales: str = "default") -> dict:
     torch.manual_seed(0)
     b, h, s, d = shape
     q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -185,7 +191,8 @@ def compare(shape: tuple[int, int, int, int], pv: str, builds: dict[str, CudaBui
     sm_scale = 1.0 / math.sqrt(d)  # quantize_qkv's default, so that both modes scale Q alike
     staged = quantize_qkv(q, k, v, sm_scale=sm_scale, pv=pv, block_m=cuda_kernel.STAGING_TILES[0],
                           block_n=cuda_kernel.STAGING_TILES[1], stage_q=not q_in_kernel,
-                          **cuda_kernel.staging_options(pv, d))
+                          **cuda_kernel.staging_options(pv, d, v_block_scale=V_SCALES[v_scales] if pv == "fp8"
+                                                        else None))
     outputs, graphs = {}, {}
     kernel_build = cuda_kernel.build
     try:
@@ -202,7 +209,8 @@ def compare(shape: tuple[int, int, int, int], pv: str, builds: dict[str, CudaBui
     graphs["cudnn"] = bench_sage.captured(lambda: F.scaled_dot_product_attention(q, k, v), GRAPH_CALLS)
     ms = alternating_medians(graphs, rounds)
     flops = 4 * b * h * s * s * d
-    row = {"shape": "x".join(map(str, shape)), "pv": pv, "cudnn_ms": round(ms["cudnn"], 4),
+    row = {"shape": "x".join(map(str, shape)), "pv": pv, "v_block_scale": bool(staged.v_block_scale),
+           "cudnn_ms": round(ms["cudnn"], 4),
            "speedup_vs_before": round(ms["before"] / ms["now"], 4),
            "distance_now_before": round(bench_sage.accuracy(outputs["now"], outputs["before"])["rel_l2"], 5)}
     for name in builds:
@@ -222,6 +230,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--q-in-kernel", action="store_true",
                     help="time the kernel quantising Q itself, as sage2_cuda_attention runs it (both sources must take "
                          "q_raw), instead of on staged Q")
+    ap.add_argument("--v-scales", choices=sorted(V_SCALES), default="default",
+                    help="FP8 V's scales for both builds: the path's default at each head dim, per 128-key block, or "
+                         "per channel (default: default)")
     args = checked_args(ap, argv)
     with tempfile.TemporaryDirectory() as folder:
         before_source = before_file(args, Path(folder))
@@ -232,13 +243,16 @@ def main(argv: list[str] | None = None) -> None:
         rows = []
         for shape in args.shapes:
             for pv in args.pv:
-                rows.append(compare(shape, pv, builds, args.rounds, args.q_in_kernel))
+                rows.append(compare(shape, pv, builds, args.rounds, args.q_in_kernel, args.v_scales))
                 r = rows[-1]
-                print(f"{r['shape']:>16} {pv:>4}  before {r['before_ms']:.4f} ms ({r['before_vs_cudnn']:.3f}x cuDNN)  "
+                scales = "block" if r["v_block_scale"] else "chan "
+                print(f"{r['shape']:>16} {pv:>4} {scales}  "
+                      f"before {r['before_ms']:.4f} ms ({r['before_vs_cudnn']:.3f}x cuDNN)  "
                       f"now {r['now_ms']:.4f} ms ({r['now_vs_cudnn']:.3f}x, {r['now_tops']} TOPS)  "
                       f"now/before {r['speedup_vs_before']:.3f}x  rel-L2 {r['before_rel_l2']} -> {r['now_rel_l2']}",
                       flush=True)
-    write_rows(args.json, rows, before=args.before_name, rounds=args.rounds, q_in_kernel=args.q_in_kernel)
+    write_rows(args.json, rows, before=args.before_name, rounds=args.rounds, q_in_kernel=args.q_in_kernel,
+               v_scales=args.v_scales)
 
 
 if __name__ == "__main__":
