@@ -297,6 +297,10 @@ def test_bench_sage_builds_checks_its_arguments_and_reads_the_kernel_at_a_revisi
     with pytest.raises(SystemExit):
         bench_sage_builds.main(["--against", "HEAD", "--pv", "fp8,int8"])
     assert "--pv int8: allowed fp8, fp16" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_sage_builds.main(["--against", "HEAD", "--v-scales", "per-token"])
+    assert "--v-scales: invalid choice: 'per-token'" in capsys.readouterr().err
+    assert bench_sage_builds.V_SCALES == {"default": None, "block": True, "channel": False}
     with pytest.raises(SystemExit, match="no such file"):
         bench_sage_builds.main(["--before-source", str(tmp_path / "missing.cu")])
     if not sm90_here():
