@@ -83,12 +83,12 @@ def compare(shape: tuple[int, int, int, int], rounds: int) -> dict:
         equal = (torch.equal(path_out, runs["plain"]()) and torch.equal(path_out, kernels["kernel"]())
                  and torch.equal(channel_out, kernels["kernel_channel"]()))
         runs["cudnn"] = lambda: F.scaled_dot_product_attention(q, k, v)
-        host = runs["cudnn"]().double().flatten()
+        host = runs["cudnn"]()
         accuracy = {}
         for name, out in (("block", path_out), ("channel", channel_out)):
-            x = out.double().flatten()
-            accuracy[f"cos_{name}"] = round(float(F.cosine_similarity(x, host, dim=0)), 6)
-            accuracy[f"rel_l2_{name}"] = round(float((x - host).norm() / host.norm()), 5)
+            against_host = bench_sage.accuracy(out, host)
+            accuracy[f"cos_{name}"] = round(against_host["cos"], 6)
+            accuracy[f"rel_l2_{name}"] = round(against_host["rel_l2"], 5)
         graphed = alternating_medians({name: bench_sage.captured(fn, GRAPH_CALLS)
                                        for name, fn in {**runs, **kernels}.items()}, rounds)
         eager: dict[str, list[float]] = {name: [] for name in runs}
