@@ -317,12 +317,12 @@ struct SharedStorage {
   uint64_t vs_full;  // FP8 P.V: V's per-channel scales of the CTA's head, in v_scale below
   alignas(16) float v_scale[D];
   // VBLK: the stage's K scale and V's scale ratio (the previous block's over this one's, 1 for the first), put there
-  // by the producer with its loads, and (v_last, last) the last block's V scale (the epilogue's)
+  // by the producer with its loads
   float2 blk_scale[STAGES];
   float q_amax[NC][4];  // Q quantised in the kernel: each consumer warp's max|q|
   float zero_f32;  // 0.0f and INT_MIN, read after the token's barriers (Turn)
   int int_min;
-  float v_last;
+  float v_last;  // VBLK: the last block's V scale, which the epilogue multiplies by (put there with its loads)
 };
 
 // Online softmax of one 64 x 128 score block held as the wgmma accumulator (thread: rows r0, r0 + 8; keys
