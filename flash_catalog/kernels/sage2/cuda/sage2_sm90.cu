@@ -646,17 +646,15 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
     const int j = j0 + jj;
     const int slot = jj % STAGES;
     mbar_wait(&sm.full[slot], (jj / STAGES) & 1);
+    // VBLK: the block's K scale, a shared load issued before the MMA it waits under (a plain C++ read compiles to a
+    // generic load issued after the MMA's wait, on every block's path into the softmax)
+    const float k_blk = VBLK ? ld_shared_f32(smem_u32(&sm.blk_scale[slot].x)) : 0.0f;
     wgmma_fence();
     qk_block<D>(s, desc_q, smem_desc(sm.k[slot], D));
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs(s);
-    float c;
-    if constexpr (VBLK) {
-      c = q_scale * sm.blk_scale[slot].x;
-    } else {
-      c = q_scale * k_scale[j];
-    }
+    const float c = q_scale * (VBLK ? k_blk : k_scale[j]);
     const Turn turn{1 + cw, 1 + (cw + 1) % NC, !(cw == NC - 1 && jj == n_loc - 1), smem_u32(&sm.zero_f32),
                     smem_u32(&sm.int_min)};
     if (j < n_plain) {
@@ -677,14 +675,15 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
       fence_regs(o);
       if (lane == 0) mbar_arrive(&sm.empty[slot]);
     } else {
+      // VBLK: O' from the previous block's V scale to this one's, read before the stage's release and issued
+      // before the P.V MMA so that its wait hides the load (not held through the softmax: registers are short there)
+      const float ratio = VBLK ? ld_shared_f32(smem_u32(&sm.blk_scale[slot].y)) : 1.0f;
       wgmma_fence();
       pv_block<D>(ob, p, smem_desc(sm.v[slot], 128));
       wgmma_commit();
       wgmma_wait<0>();
       fence_regs(ob);
-      if constexpr (VBLK) {  // O' from the previous block's V scale to this one's (read before the stage's release;
-                             // not held through the softmax, where the registers are short)
-        const float ratio = ld_shared_f32(smem_u32(&sm.blk_scale[slot].y));
+      if constexpr (VBLK) {
         alpha[0] *= ratio;
         alpha[1] *= ratio;
       }
@@ -700,7 +699,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
     l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], 1);
     l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], 2);
   }
-  const float v_last = VBLK ? sm.v_last : 1.0f;  // VBLK: O' back in V's units (put there before the last block)
+  const float v_last = VBLK ? ld_shared_f32(smem_u32(&sm.v_last)) : 1.0f;  // VBLK: O' back in V's units (put there before the last block)
   const float inv_l[2] = {v_last / l[0], v_last / l[1]};
   // V's scales from shared memory (vs_full completed long ago): a global load between the output's stores would
   // wait for the store before it, and each such wait is a CTA's time with nothing else running on its SM
