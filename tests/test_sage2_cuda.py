@@ -57,12 +57,12 @@ def test_refusals_name_the_reason():
         assert "head_dim 64 or 128; got 96" in sage2_cuda.cuda_refusal(qc[..., :96], "fp8")
 
 
-def test_v_is_scaled_per_key_block_by_default_at_d64_only():
-    """The path's FP8 staging: V's scale per 128-key block at D64, per channel at D128 (where the kernel on block
-    scales measured slower); either on request; block scales asked of fp16 P.V refused by name."""
+def test_v_is_scaled_per_key_block_by_default():
+    """The path's FP8 staging: V's scale per 128-key block at both head dims; per channel on request; block scales
+    asked of fp16 P.V refused by name."""
     assert sage2_cuda.staging_options("fp8", 64) == {"v_mma_order": True, "v_block_scale": True}
-    assert sage2_cuda.staging_options("fp8", 128) == {"v_mma_order": True, "v_block_scale": False}
-    assert sage2_cuda.staging_options("fp8", 128, v_block_scale=True)["v_block_scale"] is True
+    assert sage2_cuda.staging_options("fp8", 128) == {"v_mma_order": True, "v_block_scale": True}
+    assert sage2_cuda.staging_options("fp8", 128, v_block_scale=False)["v_block_scale"] is False
     assert sage2_cuda.staging_options("fp8", 64, v_block_scale=False)["v_block_scale"] is False
     assert sage2_cuda.staging_options("fp16", 64) == {"v_fp16": True, "v_block_scale": False}
     q, k, v = (torch.randn(1, 2, 64, 64, dtype=torch.bfloat16, device=DEVICE) for _ in range(3))
@@ -243,7 +243,7 @@ def test_cuda_kernel_matches_fp64_and_the_triton_kernel(b, hq, hkv, sq, skv, d, 
     # two-level accumulation (FP8) or fp16 P.V: a large V mean costs nothing
     assert _rel_l2(out, exact) <= (0.005 if v_mean else 0.05 if pv == "fp8" else 0.015)
     # the same algorithm as the Triton kernel (whose Q tiles are 128 rows, so its scales differ): as close to exact;
-    # FP8 at D64 scales V per key block (the path's staging there), so it is held to the emulation of that instead
+    # FP8 scales V per key block (the path's staging), so it is held to the emulation of that instead
     if pv == "fp8" and sage2_cuda.block_scale_default(d):
         st = reference_quantize(q, k, v, pv="fp8", block_m=64, block_n=128, v_block_scale=True)
         same_err = _rel_l2(sage2_reference(q, k, v, pv="fp8", is_causal=causal, block_m=64, block_n=128, staged=st),
@@ -417,7 +417,7 @@ def test_v_scaled_per_key_block_is_as_exact_as_per_channel(b, hq, hkv, sq, skv, 
     carries its output in from block to block) against the per-channel staging, on V with a block of zeros (its
     scale at the floor) and a block a thousand times larger than the rest: both finite and as close to exact, whole
     tiles and split ones (Flux's shape splits its last wave), causal too; the log-sum-exp the same to rounding; the
-    path's default the block scales at D64 and the per-channel ones at D128."""
+    path's default the block scales."""
     from flash_catalog.kernels.sage2.reference import exact_attention
 
     g = torch.Generator(device="cuda").manual_seed(sq + skv + d)
@@ -437,7 +437,7 @@ def test_v_scaled_per_key_block_is_as_exact_as_per_channel(b, hq, hkv, sq, skv, 
     assert _rel_l2(out_b, exact) <= 1.1 * _rel_l2(out_c, exact) + 1e-3
     assert _rel_l2(out_b, exact) <= 0.05
     assert float((lse_b - lse_c).abs().max()) < 2e-2  # K's codes differ with its mean; the scores barely
-    default = outs[sage2_cuda.block_scale_default(d)][0]  # per block at D64, per channel at D128
+    default = outs[sage2_cuda.block_scale_default(d)][0]  # per block at both head dims
     assert torch.equal(default, sage2_cuda.sage2_cuda_attention(q, k, v, is_causal=causal))
 
 

@@ -8,7 +8,7 @@ and the staging alone is timed replayed from CUDA graphs of 10 calls, the two al
 (median), with cuDNN's SDPA graphed beside them for scale. A staging change is judged by this. The current
 module's launches (statistics, their reduction, the K/V pass; no reduction in the block-scale staging) are also
 timed one by one in the same rounds, to show where its time goes. Both stage as the CUDA path does at the shape's
-head dim (`cuda_kernel.staging_options`: V scaled per key block at D64, per channel at D128), but per channel where
+head dim (`cuda_kernel.staging_options`: V scaled per key block), but per channel where
 the old module has no `v_block_scale`.
 
     python tools/bench_staging.py --against REV | --before-source FILE [--shapes 1x24x4608x128,...]

@@ -6,10 +6,9 @@ in the kernel's MMA order for pv="fp8", V's padded fp16 copy for pv="fp16". What
 Gluon ones do not: FP8 P.V accumulates in a fresh fp32 block per 128 keys that is then added to the output
 accumulator (the FP8 MMA's own accumulator is reduced-precision), P is packed straight into the MMA's A registers,
 and, where Q's rows are 16-byte aligned (`q_in_kernel_serves`), the kernel quantises Q itself, so that
-`sage2_cuda_attention` stages only K and V. For pv="fp8" at D64 the path stages with `v_block_scale`: K's mean from
-a sample and V's scale per 128-key block, so the staging reads K and V once (no statistics pass); at D128 V's scales
-are per channel (the Triton kernel's staging), where the kernel runs faster (`block_scale_default`). sm_90 only;
-D 64 or 128; GQA, causal and any lengths.
+`sage2_cuda_attention` stages only K and V. For pv="fp8" the path stages with `v_block_scale`: K's mean from a
+sample and V's scale per 128-key block, so the staging reads K and V once (no statistics pass); per-channel V scales
+(the Triton kernel's staging) on request. sm_90 only; D 64 or 128; GQA, causal and any lengths.
 """
 
 from __future__ import annotations
@@ -44,10 +43,9 @@ def build() -> CudaBuild:
 
 def block_scale_default(head_dim: int) -> bool:
     """Whether the path stages FP8 V with one scale per 128-key block by default (`quantize_qkv(...,
-    v_block_scale=True)`): at D64, where the kernel on it measured faster than on per-channel scales and its staging
-    saves the statistics pass; not at D128, where that kernel measured slower by more than the staging saves
-    (BENCHMARKS.md, 49th session)."""
-    return head_dim == 64
+    v_block_scale=True)`): at both head dims the kernel serves, where the path on it measured faster than on
+    per-channel scales (its staging saves the statistics pass; BENCHMARKS.md, 51st session)."""
+    return head_dim in (64, 128)
 
 
 def staging_options(pv: str, head_dim: int, *, v_block_scale: bool | None = None) -> dict[str, bool]:
