@@ -48,6 +48,13 @@ def test_v_is_staged_in_the_kernels_mma_order():
         quantize_qkv(q, v, v, pv="fp16", block_m=64, block_n=128, v_mma_order=True)
 
 
+def test_dependent_launches_by_default_at_d64_only():
+    """The path's launches: programmatic dependents of the launch before each at D64, plain at D128 (where plain
+    launches measured faster at image lengths)."""
+    assert sage2_cuda.dependent_launches_default(64) is True
+    assert sage2_cuda.dependent_launches_default(128) is False
+
+
 def test_refusals_name_the_reason():
     q = torch.zeros(1, 2, 8, 128)
     assert sage2_cuda.cuda_refusal(q, "fp8") == "the CUDA kernel runs on CUDA devices; q is on cpu"
@@ -551,6 +558,8 @@ def test_dependent_launches_give_the_waiting_launches_bits(b, hq, hkv, sq, skv, 
              for pdl in (True, False)}
     assert calls[True].launch.pdl and calls[True].staging.pdl
     assert not calls[False].launch.pdl and not calls[False].staging.pdl
+    default = sage2_cuda.prepare_cuda_attention(*inputs[0], pv=pv, staging=StagingPool(), q_in_kernel=q_in_kernel)
+    assert default.launch.pdl is default.staging.pdl is sage2_cuda.dependent_launches_default(d)
     expected = [calls[False](*x).clone() for x in inputs]
     queued = [calls[True](*inputs[i % 2]) for i in range(16)]
     assert all(torch.equal(out, expected[i % 2]) for i, out in enumerate(queued))

@@ -5,11 +5,12 @@ The path is `sage2_cuda_attention`'s on each FP8 staging: the block-scale one (K
 with V's scales per key block) or the per-channel one (statistics, their reduction, then the K/V pass with V's scales
 per channel), then the kernel quantising Q itself (and the split's combine where the plan splits), on random bf16 Q,
 K with a per-channel mean and V in Flux's (B, S, H, D) storage. `pdl` (block-scale) launches the staging's later
-launches and the kernel as programmatic dependents of the launch before each (`prepare_cuda_attention(pdl=True)`,
-the default); `plain` (block-scale) launches each after the last has ended; `channel` is `pdl` on the per-channel
-staging (`v_block_scale=False`). Each row names which staging the path takes by default at its head dim
-(`block_scale_default`). All are timed replayed from CUDA graphs of 10 calls and eagerly (20 calls queued behind a
-GPU sleep, so that the launches' host time is hidden), alternating with cuDNN's SDPA over `--rounds` rounds (median).
+launches and the kernel as programmatic dependents of the launch before each (`prepare_cuda_attention(pdl=True)`);
+`plain` (block-scale) launches each after the last has ended; `channel` is `pdl` on the per-channel staging
+(`v_block_scale=False`). Each row names which staging and which launches the path takes by default at its head dim
+(`block_scale_default`, `dependent_launches_default`). All are timed replayed from CUDA graphs of 10 calls and
+eagerly (20 calls queued behind a GPU sleep, so that the launches' host time is hidden), alternating with cuDNN's
+SDPA over `--rounds` rounds (median).
 `kernel` and `kernel_channel` are the kernel alone on each staging made once (graphed only, alternating with the
 others): the path less it is what the staging and its launches cost. Each staging's outputs must be equal bit for
 bit; each is compared with cuDNN's (cosine, relative L2) for accuracy.
@@ -97,6 +98,7 @@ def compare(shape: tuple[int, int, int, int], rounds: int) -> dict:
                 eager[name].append(eager_ms(runs[name]))
     row: dict = {"shape": "x".join(map(str, shape)), "bit_equal": equal, **accuracy,
                  "default_staging": "block" if cuda_kernel.block_scale_default(d) else "channel",
+                 "default_launches": "pdl" if cuda_kernel.dependent_launches_default(d) else "plain",
                  "graphed_kernel_ms": round(graphed["kernel"], 4),
                  "graphed_kernel_vs_cudnn": round(graphed["cudnn"] / graphed["kernel"], 4),
                  "graphed_staging_us": round(1000 * (graphed["pdl"] - graphed["kernel"]), 1),
@@ -127,8 +129,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for shape in args.shapes:
         r = compare(shape, args.rounds)
         rows.append(r)
-        print(f"{r['shape']:>16}  bit-equal {r['bit_equal']}  default {r['default_staging']}  graphed: pdl "
-              f"{r['graphed_pdl_ms']:.4f} plain "
+        print(f"{r['shape']:>16}  bit-equal {r['bit_equal']}  default {r['default_staging']}/{r['default_launches']}  "
+              f"graphed: pdl {r['graphed_pdl_ms']:.4f} plain "
               f"{r['graphed_plain_ms']:.4f} channel {r['graphed_channel_ms']:.4f} cuDNN {r['graphed_cudnn_ms']:.4f} "
               f"ms; vs cuDNN pdl {r['graphed_pdl_vs_cudnn']:.3f}x plain {r['graphed_plain_vs_cudnn']:.3f}x channel "
               f"{r['graphed_channel_vs_cudnn']:.3f}x; kernel alone {r['graphed_kernel_ms']:.4f} ms "

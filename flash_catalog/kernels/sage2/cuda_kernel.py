@@ -48,6 +48,14 @@ def block_scale_default(head_dim: int) -> bool:
     return head_dim in (64, 128)
 
 
+def dependent_launches_default(head_dim: int) -> bool:
+    """Whether the path launches the staging's second launch and the kernel as programmatic dependents of the launch
+    before each by default (`prepare_cuda_attention(pdl=...)`): at D64, where they measured faster than plain
+    launches; not at D128, where plain launches measured faster at image lengths and level at 16k keys
+    (BENCHMARKS.md, 51st session)."""
+    return head_dim == 64
+
+
 def staging_options(pv: str, head_dim: int, *, v_block_scale: bool | None = None) -> dict[str, bool]:
     """`quantize_qkv`'s keywords for how the kernel needs V staged: V^T in its FP8 MMA order, scaled per key block
     or per channel (`v_block_scale`; None: `block_scale_default`), or V's padded fp16 copy (block scales asked of
@@ -372,11 +380,12 @@ class CudaAttention:
 def prepare_cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
                            pv: str = "fp8", is_causal: bool = False, staging: StagingPool | None = None,
                            return_lse: bool = False, out_layout: str = "bhsd",
-                           q_in_kernel: bool = True, pdl: bool = True,
+                           q_in_kernel: bool = True, pdl: bool | None = None,
                            v_block_scale: bool | None = None) -> CudaAttention:
     """The `CudaAttention` of `sage2_cuda_attention(q, k, v, ...)` (the same arguments, checked here). `pdl`: the
     staging's later launches and the kernel start as programmatic dependents of the launch before each
-    (`StagingPlan.pdl`, `KernelLaunch.pdl`); False launches each after the last has ended. `v_block_scale`
+    (`StagingPlan.pdl`, `KernelLaunch.pdl`); False launches each after the last has ended; None: the default at
+    this head dim (`dependent_launches_default`). `v_block_scale`
     (pv="fp8"): V's scale per key block (True) or per channel after a statistics pass (False); None: the default
     at this head dim (`block_scale_default`)."""
     validate_inputs(q, k, v, pv=pv, scale=scale, is_causal=is_causal)
@@ -385,6 +394,7 @@ def prepare_cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         raise ValueError(f"the sage2 CUDA kernel cannot serve this call: {why}")
     b, h, sq, d = q.shape
     out_shape = (b, h, sq, v.shape[-1])
+    pdl = dependent_launches_default(d) if pdl is None else pdl
     sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
     strides = new_output(out_shape, q.dtype, torch.device("meta"), out_layout).stride()  # checks out_layout too
     if q.shape[:-1].numel() == 0:
