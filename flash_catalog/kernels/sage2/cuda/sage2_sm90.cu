@@ -699,7 +699,8 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
     l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], 1);
     l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], 2);
   }
-  const float v_last = VBLK ? ld_shared_f32(smem_u32(&sm.v_last)) : 1.0f;  // VBLK: O' back in V's units (put there before the last block)
+  // VBLK: O' back in V's units (put there before the last block)
+  const float v_last = VBLK ? ld_shared_f32(smem_u32(&sm.v_last)) : 1.0f;
   const float inv_l[2] = {v_last / l[0], v_last / l[1]};
   // V's scales from shared memory (vs_full completed long ago): a global load between the output's stores would
   // wait for the store before it, and each such wait is a CTA's time with nothing else running on its SM
