@@ -352,6 +352,28 @@ def sage2_cuda_staged(staged: Sage2Staged, *, out_dtype: torch.dtype, is_causal:
     return out
 
 
+def sage2_cuda_on_staged_kv(q: torch.Tensor, k8: torch.Tensor, k_scale: torch.Tensor, vt8: torch.Tensor,
+                            v_scale: torch.Tensor, k_mean: torch.Tensor, *, seq_kv: int, scale: float | None = None,
+                            is_causal: bool = False, out_layout: str = "bhsd") -> torch.Tensor:
+    """The kernel on K and V staged by `traced_staging.stage_kv` (FP8 P.V, V's scale per key block), quantising Q
+    itself: the attention that follows a staging the compiler fused into K's and V's producers. `seq_kv`: the keys
+    before padding. A Q the kernel cannot read whole (`q_in_kernel_serves`) is copied to one it can."""
+    if not q_in_kernel_serves(q):
+        q = q.clone(memory_format=torch.contiguous_format)
+    b, h, sq, d = q.shape
+    staged = Sage2Staged(q8=None, q_scale=None, k8=k8, k_scale=k_scale, v=vt8, v_scale=v_scale, k_mean=k_mean,
+                         pv="fp8", block_m=STAGING_TILES[0], block_n=STAGING_TILES[1], seq_q=sq, seq_kv=seq_kv,
+                         v_block_scale=True)
+    _check_staging(staged)
+    out = new_output((b, h, sq, vt8.shape[2]), q.dtype, q.device, out_layout)
+    if out.numel() == 0:
+        return out
+    sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
+    with on_device(q.device):
+        kernel_launch(staged, q.dtype, out.stride(), is_causal, True, None, QInKernel.of(q, sm_scale))(out, None, q)
+    return out
+
+
 @dataclass(frozen=True)
 class CudaAttention:
     """`sage2_cuda_attention` for one call's shapes, strides, dtypes and options, checked and worked out once: the

@@ -92,3 +92,25 @@ def sage2_cuda_attention_lse_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 
 sage2_cuda_attention_lse_op.register_fake(_fake_cuda_lse)
+
+
+def _fake_on_staged_kv(q: torch.Tensor, k8: torch.Tensor, k_scale: torch.Tensor, vt8: torch.Tensor,
+                       v_scale: torch.Tensor, k_mean: torch.Tensor, seq_kv: int, scale: float | None,
+                       is_causal: bool, out_layout: str = "bhsd") -> torch.Tensor:
+    from .cuda_kernel import new_output
+    b, h, s, _ = q.shape
+    return new_output((b, h, s, vt8.shape[2]), q.dtype, q.device, out_layout)
+
+
+@torch.library.custom_op("flash_catalog::sage2_cuda_on_staged_kv", mutates_args=())
+def sage2_cuda_on_staged_kv_op(q: torch.Tensor, k8: torch.Tensor, k_scale: torch.Tensor, vt8: torch.Tensor,
+                               v_scale: torch.Tensor, k_mean: torch.Tensor, seq_kv: int, scale: float | None,
+                               is_causal: bool, out_layout: str = "bhsd") -> torch.Tensor:
+    """The CUDA kernel on K and V that `traced_staging.stage_kv` staged (in the compiled graph, fused by inductor into
+    their producers); Q as the caller has it, quantised by the kernel."""
+    from .cuda_kernel import sage2_cuda_on_staged_kv
+    return sage2_cuda_on_staged_kv(q, k8, k_scale, vt8, v_scale, k_mean, seq_kv=seq_kv, scale=scale,
+                                   is_causal=is_causal, out_layout=out_layout)
+
+
+sage2_cuda_on_staged_kv_op.register_fake(_fake_on_staged_kv)

@@ -50,10 +50,10 @@ def _quant_int8_blocks(x: torch.Tensor, block: int, scale_mult: float) -> tuple[
     return xq, scale
 
 
-def sampled_key_rows(skv: int) -> torch.Tensor:
+def sampled_key_rows(skv: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """The keys behind K's mean in the block-scale staging: min(MEAN_SAMPLE, skv) of them, (i * skv) // n."""
     n = min(MEAN_SAMPLE, skv)
-    return torch.arange(n, dtype=torch.int64) * skv // n
+    return torch.arange(n, dtype=torch.int64, device=device) * skv // n
 
 
 def reference_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None,
@@ -71,7 +71,7 @@ def reference_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_
     if k_mean is not None:
         mean = k_mean.float().unsqueeze(2)
     elif v_block_scale:
-        mean = k32[:, :, sampled_key_rows(skv).to(k.device)].mean(dim=2, keepdim=True)
+        mean = k32[:, :, sampled_key_rows(skv, k.device)].mean(dim=2, keepdim=True)
     else:
         mean = k32.mean(dim=2, keepdim=True)
     k8, k_scale = _quant_int8_blocks(k32 - mean, block_n, 1.0)
