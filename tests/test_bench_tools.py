@@ -3,7 +3,8 @@ hosts' rows, the torchao peer recorded as skipped with its reason where it canno
 benchmark-only extra), the drift check's cosine and PSNR fields, TiRex-2's host timed again after detach. Eager rows
 only: a compiled row on the CPU costs a minute of inductor. tools/bench_gemm_gluon.py refuses a machine without an
 sm_90 GPU by name, and tools/bench_quant_rows.py one without CUDA; tools/bench_sage_builds.py checks its arguments
-and finds the kernel's source at a git revision; tools/bench_sage_pdl.py checks its arguments."""
+and finds the kernel's source at a git revision; tools/bench_sage_pdl.py and tools/bench_compiled_staging.py
+check their arguments."""
 
 import json
 import math
@@ -331,6 +332,19 @@ def test_bench_sage_pdl_checks_its_arguments_and_refuses_a_machine_without_sm90(
     if not sm90_here():
         with pytest.raises(SystemExit, match="the sage2 CUDA path runs on sm_90"):
             bench_sage_pdl.main(["--shapes", "1x24x4608x128"])
+
+
+def test_bench_compiled_staging_checks_its_arguments_and_refuses_a_machine_without_sm90(capsys):
+    import bench_compiled_staging
+
+    with pytest.raises(SystemExit):
+        bench_compiled_staging.main(["--shapes", "1x24x4608x96"])
+    assert "head_dim 64 or 128" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--rounds 0: want at least 1"):
+        bench_compiled_staging.main(["--rounds", "0"])
+    if not sm90_here():
+        with pytest.raises(SystemExit, match="the sage2 CUDA kernel runs on sm_90"):
+            bench_compiled_staging.main(["--shapes", "1x24x4608x128"])
 
 
 def test_bench_staging_checks_its_arguments_and_loads_the_old_module_beside_the_new(tmp_path, capsys):
