@@ -22,7 +22,6 @@ output against host_cudnn's (cosine, relative L2); kernels inductor generated pe
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Callable
@@ -36,7 +35,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
 import bench_sage  # noqa: E402
-from bench_sage_builds import GRAPH_CALLS, alternating_medians, parse_shapes, require_sm90, write_rows  # noqa: E402
+from bench_sage_builds import (GRAPH_CALLS, alternating_medians, require_sm90, rounds_checked,  # noqa: E402
+                               shapes_parser, write_rows)
 
 from flash_catalog.kernels.sage2 import cuda_kernel  # noqa: E402
 from flash_catalog.kernels.sage2.op import sage2_cuda_attention_op, sage2_cuda_on_staged_kv_op  # noqa: E402
@@ -164,15 +164,9 @@ def compare(shape: tuple[int, int, int, int], text: int, rounds: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", type=parse_shapes, default=parse_shapes(DEFAULT_SHAPES),
-                    help=f"BxHxSxD,... (default {DEFAULT_SHAPES}: FLUX.1-dev's, SD3.5 Large's, B2 D64)")
+    ap = shapes_parser(__doc__, DEFAULT_SHAPES, "FLUX.1-dev's, SD3.5 Large's, B2 D64", 15)
     ap.add_argument("--text", type=int, default=512, help="text tokens ahead of the image's (Flux: 512)")
-    ap.add_argument("--rounds", type=int, default=15, help="alternating rounds of graph replays (median)")
-    ap.add_argument("--json", type=Path, help="write the rows and the environment here")
-    args = ap.parse_args(argv)
-    if args.rounds < 1:
-        raise SystemExit(f"--rounds {args.rounds}: want at least 1")
+    args = rounds_checked(ap, argv)
     require_sm90("the sage2 CUDA kernel")
     why = cuda_kernel.build().refusal()
     if why is not None:

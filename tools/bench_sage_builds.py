@@ -107,14 +107,10 @@ def alternating_medians(graphs: dict[str, torch.cuda.CUDAGraph], rounds: int) ->
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def before_after_parser(doc: str, what: str, default_shapes: str, shapes_help: str,
-                        rounds: int) -> argparse.ArgumentParser:
-    """The arguments both before/after tools take: which `what` is 'before' (`--against REV` or `--before-source
-    FILE`), `--shapes`, `--rounds`, `--json`; `checked_args` checks them once parsed."""
+def shapes_parser(doc: str, default_shapes: str, shapes_help: str, rounds: int) -> argparse.ArgumentParser:
+    """The arguments every sage2 CUDA benchmark takes: `--shapes`, `--rounds`, `--json`; `rounds_checked` checks
+    them once parsed."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    before = ap.add_mutually_exclusive_group(required=True)
-    before.add_argument("--against", metavar="REV", help=f"git revision whose {what} is 'before'")
-    before.add_argument("--before-source", type=Path, metavar="FILE", help=f"the 'before' {what} itself")
     ap.add_argument("--shapes", type=parse_shapes, default=parse_shapes(default_shapes),
                     help=f"BxHxSxD,... (default {default_shapes}: {shapes_help})")
     ap.add_argument("--rounds", type=int, default=rounds, help="alternating rounds of graph replays (median)")
@@ -122,14 +118,31 @@ def before_after_parser(doc: str, what: str, default_shapes: str, shapes_help: s
     return ap
 
 
+def rounds_checked(ap: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """`ap`'s arguments, with SystemExit naming a --rounds below 1."""
+    args = ap.parse_args(argv)
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds {args.rounds}: want at least 1")
+    return args
+
+
+def before_after_parser(doc: str, what: str, default_shapes: str, shapes_help: str,
+                        rounds: int) -> argparse.ArgumentParser:
+    """`shapes_parser`'s arguments and which `what` is 'before' (`--against REV` or `--before-source FILE`), as
+    both before/after tools take them; `checked_args` checks them once parsed."""
+    ap = shapes_parser(doc, default_shapes, shapes_help, rounds)
+    before = ap.add_mutually_exclusive_group(required=True)
+    before.add_argument("--against", metavar="REV", help=f"git revision whose {what} is 'before'")
+    before.add_argument("--before-source", type=Path, metavar="FILE", help=f"the 'before' {what} itself")
+    return ap
+
+
 def checked_args(ap: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     """`ap`'s arguments, with SystemExit naming a missing --before-source file or a --rounds below 1; `before_name`
     says which the 'before' is (the file or the revision)."""
-    args = ap.parse_args(argv)
+    args = rounds_checked(ap, argv)
     if args.before_source is not None and not args.before_source.is_file():
         raise SystemExit(f"--before-source {args.before_source}: no such file")
-    if args.rounds < 1:
-        raise SystemExit(f"--rounds {args.rounds}: want at least 1")
     args.before_name = str(args.before_source or args.against)
     return args
 

@@ -20,7 +20,6 @@ bit; each is compared with cuDNN's (cosine, relative L2) for accuracy.
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 import sys
@@ -35,8 +34,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
 import bench_sage  # noqa: E402
-from bench_sage_builds import (GRAPH_CALLS, alternating_medians, in_kernel_run, parse_shapes,  # noqa: E402
-                               require_sm90, write_rows)
+from bench_sage_builds import (GRAPH_CALLS, alternating_medians, in_kernel_run, require_sm90,  # noqa: E402
+                               rounds_checked, shapes_parser, write_rows)
 
 from flash_catalog.kernels.sage2 import cuda_kernel  # noqa: E402
 from flash_catalog.kernels.sage2.cuda_kernel import prepare_cuda_attention  # noqa: E402
@@ -115,15 +114,8 @@ def compare(shape: tuple[int, int, int, int], rounds: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", type=parse_shapes, default=parse_shapes(DEFAULT_SHAPES),
-                    help=f"BxHxSxD,... (default {DEFAULT_SHAPES}: FLUX.1-dev's attention, B2 D64, SD3.5 Large's, "
-                         "LTX-2's length)")
-    ap.add_argument("--rounds", type=int, default=15, help="alternating rounds (median)")
-    ap.add_argument("--json", type=Path, help="write the rows and the environment here")
-    args = ap.parse_args(argv)
-    if args.rounds < 1:
-        raise SystemExit(f"--rounds {args.rounds}: want at least 1")
+    args = rounds_checked(shapes_parser(__doc__, DEFAULT_SHAPES,
+                                        "FLUX.1-dev's attention, B2 D64, SD3.5 Large's, LTX-2's length", 15), argv)
     require_sm90("the sage2 CUDA path")
     rows = []
     for shape in args.shapes:
