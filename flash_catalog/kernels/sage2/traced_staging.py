@@ -33,9 +33,6 @@ class StagedKV:
     vt8: torch.Tensor      # (B, Hkv, D, Skv_pad) e4m3: V^T, tokens in the FP8 MMA order within every 32
     v_scale: torch.Tensor  # (B, Hkv, Skv_pad // 128) float32: max|block| / 448
 
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.k8, self.k_scale, self.k_mean, self.vt8, self.v_scale
-
 
 def _blocks(x: torch.Tensor, n_kb: int) -> torch.Tensor:
     """(B, H, S, D) float32 zero-padded to n_kb blocks of BLOCK_N keys: (B, H, n_kb, BLOCK_N, D)."""
