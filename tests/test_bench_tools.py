@@ -6,6 +6,7 @@ sm_90 GPU by name, and tools/bench_quant_rows.py one without CUDA; tools/bench_s
 and finds the kernel's source at a git revision; tools/bench_sage_pdl.py and tools/bench_compiled_staging.py
 check their arguments."""
 
+import importlib
 import json
 import math
 import sys
@@ -321,30 +322,18 @@ def test_bench_sage_builds_checks_its_arguments_and_reads_the_kernel_at_a_revisi
     assert source.parent == tmp_path and "int fc_sage2_sm90(" in source.read_text()
 
 
-def test_bench_sage_pdl_checks_its_arguments_and_refuses_a_machine_without_sm90(capsys):
-    import bench_sage_pdl
-
+@pytest.mark.parametrize("tool,runs", [("bench_sage_pdl", "the sage2 CUDA path"),
+                                       ("bench_compiled_staging", "the sage2 CUDA kernel")])
+def test_sage2_benchmarks_check_their_arguments_and_refuse_a_machine_without_sm90(tool, runs, capsys):
+    main = importlib.import_module(tool).main
     with pytest.raises(SystemExit):
-        bench_sage_pdl.main(["--shapes", "1x24x4608x96"])
+        main(["--shapes", "1x24x4608x96"])
     assert "head_dim 64 or 128" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="--rounds 0: want at least 1"):
-        bench_sage_pdl.main(["--rounds", "0"])
+        main(["--rounds", "0"])
     if not sm90_here():
-        with pytest.raises(SystemExit, match="the sage2 CUDA path runs on sm_90"):
-            bench_sage_pdl.main(["--shapes", "1x24x4608x128"])
-
-
-def test_bench_compiled_staging_checks_its_arguments_and_refuses_a_machine_without_sm90(capsys):
-    import bench_compiled_staging
-
-    with pytest.raises(SystemExit):
-        bench_compiled_staging.main(["--shapes", "1x24x4608x96"])
-    assert "head_dim 64 or 128" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="--rounds 0: want at least 1"):
-        bench_compiled_staging.main(["--rounds", "0"])
-    if not sm90_here():
-        with pytest.raises(SystemExit, match="the sage2 CUDA kernel runs on sm_90"):
-            bench_compiled_staging.main(["--shapes", "1x24x4608x128"])
+        with pytest.raises(SystemExit, match=f"{runs} runs on sm_90"):
+            main(["--shapes", "1x24x4608x128"])
 
 
 def test_bench_staging_checks_its_arguments_and_loads_the_old_module_beside_the_new(tmp_path, capsys):
