@@ -34,13 +34,19 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     return torch.softmax(s, dim=-1) @ v64
 
 
-def _quant_int8_blocks(x: torch.Tensor, block: int, scale_mult: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: (B, H, S, D) fp32 with invalid rows already zero. Returns int8 (B, H, S_pad, D) and fp32 (B, H, nb)."""
+def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """(B, H, S, D) fp32 zero-padded to whole blocks of `block` rows: (B, H, nb, block, D), one block at least."""
     b, h, s, d = x.shape
     nb = max((s + block - 1) // block, 1)
     xp = torch.zeros((b, h, nb * block, d), dtype=torch.float32, device=x.device)
     xp[:, :, :s] = x
-    xb = xp.view(b, h, nb, block, d)
+    return xp.view(b, h, nb, block, d)
+
+
+def int8_blocks(x: torch.Tensor, block: int, scale_mult: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: (B, H, S, D) fp32 with invalid rows already zero. Returns int8 (B, H, S_pad, D) and fp32 (B, H, nb)."""
+    xb = _blocks(x, block)
+    b, h, nb, _, d = xb.shape
     amax = xb.abs().amax(dim=(3, 4)).clamp_min(AMAX_FLOOR)
     inv = torch.full_like(amax, 127.0) / amax            # tensor/tensor: torch turns scalar/tensor into 1/x * s
     y = xb * inv[..., None, None]
@@ -48,6 +54,17 @@ def _quant_int8_blocks(x: torch.Tensor, block: int, scale_mult: float) -> tuple[
     xq = y.trunc().to(torch.int8).view(b, h, nb * block, d)
     scale = (amax / torch.full_like(amax, 127.0)) * torch.tensor(scale_mult, dtype=torch.float32, device=x.device)
     return xq, scale
+
+
+def e4m3_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: (B, H, S, D) fp32. Returns e4m3 (B, H, S_pad, D), zero rows past S, each block of `block` rows scaled by
+    its max|x| (floored at V_BLOCK_AMAX_FLOOR) / 448, and those scales, fp32 (B, H, nb)."""
+    xb = _blocks(x, block)
+    b, h, nb, _, d = xb.shape
+    amax = xb.abs().amax(dim=(3, 4)).clamp_min(V_BLOCK_AMAX_FLOOR)
+    inv = torch.full_like(amax, 448.0) / amax
+    x8 = (xb * inv[..., None, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(b, h, nb * block, d)
+    return x8, amax / torch.full_like(amax, 448.0)
 
 
 def sampled_key_rows(skv: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -66,7 +83,7 @@ def reference_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_
     d = q.shape[-1]
     skv = k.shape[2]
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
-    q8, q_scale = _quant_int8_blocks(q.float(), block_m, sm_scale * LOG2E)
+    q8, q_scale = int8_blocks(q.float(), block_m, sm_scale * LOG2E)
     k32 = k.float()
     if k_mean is not None:
         mean = k_mean.float().unsqueeze(2)
@@ -74,19 +91,12 @@ def reference_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_
         mean = k32[:, :, sampled_key_rows(skv, k.device)].mean(dim=2, keepdim=True)
     else:
         mean = k32.mean(dim=2, keepdim=True)
-    k8, k_scale = _quant_int8_blocks(k32 - mean, block_n, 1.0)
+    k8, k_scale = int8_blocks(k32 - mean, block_n, 1.0)
     out: dict[str, torch.Tensor | None] = {"q8": q8, "q_scale": q_scale, "k8": k8, "k_scale": k_scale,
                                            "k_mean": mean.squeeze(2), "v_block_scale": None}
     if pv == "fp8" and v_block_scale:
-        bsz, hkv, skv_pad = v.shape[0], v.shape[1], k8.shape[2]
-        vp = torch.zeros((bsz, hkv, skv_pad, d), dtype=torch.float32, device=v.device)
-        vp[:, :, :skv] = v.float()
-        vb = vp.view(bsz, hkv, skv_pad // block_n, block_n, d)
-        amax = vb.abs().amax(dim=(3, 4)).clamp_min(V_BLOCK_AMAX_FLOOR)          # (B, Hkv, n_kb)
-        inv = torch.full_like(amax, 448.0) / amax
-        v8 = (vb * inv[..., None, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(bsz, hkv, skv_pad, d)
-        out.update(vt8=v8.transpose(2, 3).contiguous(), v_scale=amax / torch.full_like(amax, 448.0),
-                   v_block_scale=torch.tensor(True))
+        v8, v_scale = e4m3_blocks(v.float(), block_n)
+        out.update(vt8=v8.transpose(2, 3).contiguous(), v_scale=v_scale, v_block_scale=torch.tensor(True))
     elif pv == "fp8":
         v32 = v.float()
         amax = v32.abs().amax(dim=2).clamp_min(AMAX_FLOOR)                  # (B, Hkv, D)
