@@ -40,7 +40,7 @@ from bench_sage_builds import (GRAPH_CALLS, alternating_medians, require_sm90, r
 
 from flash_catalog.kernels.sage2 import cuda_kernel  # noqa: E402
 from flash_catalog.kernels.sage2.op import sage2_cuda_attention_op, sage2_cuda_on_staged_kv_op  # noqa: E402
-from flash_catalog.kernels.sage2.traced_staging import stage_kv  # noqa: E402
+from flash_catalog.kernels.sage2.traced_staging import StagedKV, stage_kv  # noqa: E402
 
 DEFAULT_SHAPES = "1x24x4608x128,1x38x4429x64,2x24x4096x64"
 EPS = 1e-6
@@ -89,10 +89,14 @@ def opaque(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return sage2_cuda_attention_op(q, k, v, None, "fp8", False, "", "bshd")
 
 
+def kernel_on(q: torch.Tensor, staged: StagedKV, seq_kv: int) -> torch.Tensor:
+    """The kernel alone on `staged`, its output's heads inside ("bshd")."""
+    return sage2_cuda_on_staged_kv_op(q, staged.k8, staged.k_scale, staged.vt8, staged.v_scale, staged.k_mean, seq_kv,
+                                      None, False, "bshd")
+
+
 def fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    staged = stage_kv(k, v)
-    return sage2_cuda_on_staged_kv_op(q, staged.k8, staged.k_scale, staged.vt8, staged.v_scale, staged.k_mean,
-                                      k.shape[2], None, False, "bshd")
+    return kernel_on(q, stage_kv(k, v), k.shape[2])
 
 
 VARIANTS: dict[str, Attention | None] = {"host": sdpa, "host_cudnn": sdpa_cudnn, "opaque": opaque, "fused": fused,
@@ -138,9 +142,7 @@ def compare(shape: tuple[int, int, int, int], text: int, rounds: int) -> dict:
                 outs[name] = out
         q, k, v = region(None)(parts, w)
         staged = stage_kv(k, v)
-        calls["kernel"] = lambda: sage2_cuda_on_staged_kv_op(q, staged.k8, staged.k_scale, staged.vt8,
-                                                             staged.v_scale, staged.k_mean, k.shape[2], None, False,
-                                                             "bshd")
+        calls["kernel"] = lambda: kernel_on(q, staged, k.shape[2])
         calls["cudnn"] = lambda: sdpa_cudnn(q, k, v)
         ms = alternating_medians({name: bench_sage.captured(fn, GRAPH_CALLS) for name, fn in calls.items()}, rounds)
     ref = outs.get("host_cudnn", outs.get("host"))
