@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 LOG2E = 1.0 / math.log(2.0)
 AMAX_FLOOR = 1e-30
@@ -35,35 +36,47 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
 
 
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
-    """(B, H, S, D) fp32 zero-padded to whole blocks of `block` rows: (B, H, nb, block, D), one block at least."""
+    """(B, H, S, D) fp32 zero-padded to whole blocks of `block` rows, one block at least, each block flattened:
+    (B, H, nb, block * D). Flat, a block's max and its quantisation are one reduction and its epilogue, which
+    inductor fuses into one kernel (`traced_staging` runs these under torch.compile)."""
     b, h, s, d = x.shape
     nb = max((s + block - 1) // block, 1)
-    xp = torch.zeros((b, h, nb * block, d), dtype=torch.float32, device=x.device)
-    xp[:, :, :s] = x
-    return xp.view(b, h, nb, block, d)
+    return F.pad(x, (0, 0, 0, nb * block - s)).reshape(b, h, nb, block * d)
 
 
 def int8_blocks(x: torch.Tensor, block: int, scale_mult: float) -> tuple[torch.Tensor, torch.Tensor]:
     """x: (B, H, S, D) fp32 with invalid rows already zero. Returns int8 (B, H, S_pad, D) and fp32 (B, H, nb)."""
     xb = _blocks(x, block)
-    b, h, nb, _, d = xb.shape
-    amax = xb.abs().amax(dim=(3, 4)).clamp_min(AMAX_FLOOR)
+    (b, h, nb, _), d = xb.shape, x.shape[3]
+    amax = xb.abs().amax(dim=3).clamp_min(AMAX_FLOOR)
     inv = torch.full_like(amax, 127.0) / amax            # tensor/tensor: torch turns scalar/tensor into 1/x * s
-    y = xb * inv[..., None, None]
+    y = xb * inv[..., None]
     y = y + torch.where(y >= 0, 0.5, -0.5).to(torch.float32)
     xq = y.trunc().to(torch.int8).view(b, h, nb * block, d)
     scale = (amax / torch.full_like(amax, 127.0)) * torch.tensor(scale_mult, dtype=torch.float32, device=x.device)
     return xq, scale
 
 
+def e4m3_block_amax(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: (B, H, S, D) fp32. Returns x zero-padded to whole blocks of `block` rows, (B, H, S_pad, D), and each
+    block's max|x| floored at V_BLOCK_AMAX_FLOOR, (B, H, nb)."""
+    xb = _blocks(x, block)
+    (b, h, nb, _), d = xb.shape, x.shape[3]
+    return xb.view(b, h, nb * block, d), xb.abs().amax(dim=3).clamp_min(V_BLOCK_AMAX_FLOOR)
+
+
+def to_e4m3(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """x * (448 / amax) as e4m3 (saturating, round to nearest even); `amax` broadcasts against x."""
+    inv = torch.full_like(amax, 448.0) / amax            # tensor/tensor: torch turns scalar/tensor into 1/x * s
+    return (x * inv).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+
 def e4m3_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x: (B, H, S, D) fp32. Returns e4m3 (B, H, S_pad, D), zero rows past S, each block of `block` rows scaled by
     its max|x| (floored at V_BLOCK_AMAX_FLOOR) / 448, and those scales, fp32 (B, H, nb)."""
-    xb = _blocks(x, block)
-    b, h, nb, _, d = xb.shape
-    amax = xb.abs().amax(dim=(3, 4)).clamp_min(V_BLOCK_AMAX_FLOOR)
-    inv = torch.full_like(amax, 448.0) / amax
-    x8 = (xb * inv[..., None, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(b, h, nb * block, d)
+    xp, amax = e4m3_block_amax(x, block)
+    b, h, s_pad, d = xp.shape
+    x8 = to_e4m3(xp.view(b, h, s_pad // block, block, d), amax[..., None, None]).view(b, h, s_pad, d)
     return x8, amax / torch.full_like(amax, 448.0)
 
 

@@ -5,8 +5,10 @@ K and V back.
 `stage_kv` computes what `quantize_qkv(q, k, v, pv="fp8", block_m=64, block_n=128, v_mma_order=True,
 v_block_scale=True, stage_q=False)` stages for K and V, in the same layouts: K less its sampled token mean as INT8 per
 128-key block, and V as e4m3 per 128-key block, transposed in the kernel's FP8 MMA order. The arithmetic is
-the reference's own (`reference.int8_blocks`, `reference.e4m3_blocks`: fp32, round-half-away INT8,
-round-to-nearest-even e4m3). No form runs it yet:
+the reference's own (`reference.int8_blocks`, `e4m3_block_amax`, `to_e4m3`: fp32, round-half-away INT8,
+round-to-nearest-even e4m3), written so that inductor makes one kernel of K's block maxima and quantisation, writes
+V's codes from a transposing kernel, and keeps no float32 copy of K (`tools/inductor_code.py` shows its kernels on
+any machine; tests/test_inductor_code.py holds them). No form runs it yet:
 `tools/bench_compiled_staging.py` measures, in Flux's attention region compiled, whether the staging fused so beats
 the op that stages inside (notes/sage2.md, 52nd session)."""
 
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .reference import e4m3_blocks, int8_blocks, sampled_key_rows
+from .reference import e4m3_block_amax, int8_blocks, sampled_key_rows, to_e4m3
 
 BLOCK_N = 128  # keys per K scale and per V scale: the CUDA kernel's key tile (cuda_kernel.STAGING_TILES[1])
 
@@ -32,18 +34,22 @@ class StagedKV:
     v_scale: torch.Tensor  # (B, Hkv, Skv_pad // 128) float32: max|block| / 448
 
 
-def mma_order(v8: torch.Tensor) -> torch.Tensor:
+def mma_order(v: torch.Tensor) -> torch.Tensor:
     """(B, H, S_pad, D) -> V^T (B, H, D, S_pad) with, within every 32 keys, token 16A + 8a + 2t + b at column
     16A + 4t + 2a + b: the k-index at which the kernel's FP8 MMA meets that token's P value."""
-    b, h, s, d = v8.shape
-    groups = v8.view(b, h, s // 32, 2, 2, 4, 2, d)  # token = 32g + 16A + 8a + 2t + b
+    b, h, s, d = v.shape
+    groups = v.view(b, h, s // 32, 2, 2, 4, 2, d)  # token = 32g + 16A + 8a + 2t + b
     return groups.permute(0, 1, 7, 2, 3, 5, 4, 6).reshape(b, h, d, s)
 
 
 def stage_kv(k: torch.Tensor, v: torch.Tensor) -> StagedKV:
     """Stage (B, Hkv, Skv, D) fp16/bf16 K and V (any strides) for the CUDA kernel; traceable by torch.compile."""
-    k32 = k.float()
-    mean = k32.index_select(2, sampled_key_rows(k.shape[2], k.device)).mean(dim=2, keepdim=True)
-    k8, k_scale = int8_blocks(k32 - mean, BLOCK_N, 1.0)
-    v8, v_scale = e4m3_blocks(v.float(), BLOCK_N)
-    return StagedKV(k8, k_scale, mean.squeeze(2), mma_order(v8), v_scale)
+    # K is converted at each use, not once: a float32 K used twice is a buffer inductor would write out in full
+    mean = k.index_select(2, sampled_key_rows(k.shape[2], k.device)).float().mean(dim=2, keepdim=True)
+    k8, k_scale = int8_blocks(k.float() - mean, BLOCK_N, 1.0)
+    # V is quantised in its staged order (a pointwise kernel that transposes), after its block maxima (a reduction)
+    vp, v_amax = e4m3_block_amax(v.float(), BLOCK_N)
+    vt = mma_order(vp)
+    b, h, d, s_pad = vt.shape
+    vt8 = to_e4m3(vt.view(b, h, d, s_pad // BLOCK_N, BLOCK_N), v_amax[:, :, None, :, None]).view(b, h, d, s_pad)
+    return StagedKV(k8, k_scale, mean.squeeze(2), vt8, v_amax / torch.full_like(v_amax, 448.0))
