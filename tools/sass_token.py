@@ -5,9 +5,9 @@ dependencies (`kernels/sage2/cuda/sage2_sm90.cu`: fp16 P.V is pinned, FP8 is whe
 the compiler's choice, and an edit anywhere near the softmax can move it and the speed with it (notes/sage2.md, twelfth
 session). Run this after such an edit, before timing: for every token wait (`BAR.SYNC` on a named barrier) and the
 signal after it (`BAR.ARV`), it counts the row-maxima instructions (integer max) before and after the wait, and the
-exponentials (`MUFU.EX2`) and packs (`F2FP`) before and after the signal. Runs on any machine with nvcc and
-cuobjdump (where the build looks for nvcc: $CUDA_HOME/bin, PATH, /usr/local/cuda/bin, or `pip install
-nvidia-cuda-cuobjdump`); no GPU.
+exponentials (`MUFU.EX2`) and packs (`F2FP`) before and after the signal. Runs on any machine with nvcc, cuobjdump
+and the nvdisasm it calls (where the build looks for nvcc: $CUDA_HOME/bin, PATH, /usr/local/cuda/bin, or `pip install
+nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm`; nvdisasm also from Triton's own copy); no GPU.
 
     python tools/sass_token.py [--library PATH] [--json out.json]
 """
@@ -106,9 +106,22 @@ def token_places(name: str, sass: str) -> list[TokenPlace]:
     return places
 
 
-def functions(cuobjdump: Path, library: Path) -> dict[str, str]:
+def find_nvdisasm() -> Path | None:
+    """nvdisasm, which `cuobjdump -sass` runs: where the build looks for nvcc (`find_cuda_tool`), or Triton's copy."""
+    found = find_cuda_tool("nvdisasm")
+    if found is not None:
+        return found
+    spec = importlib.util.find_spec("triton")
+    roots = (spec.submodule_search_locations or []) if spec is not None else []
+    bundled = [Path(root) / "backends" / "nvidia" / "bin" / "nvdisasm" for root in roots]
+    return next((c for c in bundled if c.is_file() and os.access(c, os.X_OK)), None)
+
+
+def functions(cuobjdump: Path, library: Path, nvdisasm: Path) -> dict[str, str]:
     """Each kernel function's SASS text in `library`, keyed by its mangled name."""
-    out = subprocess.run([str(cuobjdump), "-sass", str(library)], capture_output=True, text=True, check=True).stdout
+    env = {**os.environ, "NVDISASM_PATH": str(nvdisasm.parent)}
+    out = subprocess.run([str(cuobjdump), "-sass", str(library)], capture_output=True, text=True, check=True,
+                         env=env).stdout
     parts = re.split(r"\n\s*Function : (\S+)\n", out)
     return dict(zip(parts[1::2], parts[2::2]))
 
@@ -123,6 +136,9 @@ def main() -> None:
     if cuobjdump is None:
         sys.exit("no cuobjdump found ($CUDA_HOME/bin, $CUDA_PATH/bin, PATH, /usr/local/cuda/bin, the nvidia wheels); "
                  "pip install nvidia-cuda-cuobjdump")
+    nvdisasm = find_nvdisasm()
+    if nvdisasm is None:
+        sys.exit("no nvdisasm found (where cuobjdump is looked for, or Triton's); pip install nvidia-cuda-nvdisasm")
     library = args.library
     if library is None:
         from flash_catalog.kernels.sage2 import cuda_kernel as sage2_cuda
@@ -130,7 +146,7 @@ def main() -> None:
         if built.path is None:
             sys.exit(f"the kernel did not build: {built.detail}")
         library = built.path
-    rows = [place for mangled, sass in sorted(functions(cuobjdump, library).items())
+    rows = [place for mangled, sass in sorted(functions(cuobjdump, library, nvdisasm).items())
             if (name := kernel_name(mangled)) is not None for place in token_places(name, sass)]
     head = ("kernel", "wait", "signal", "max before/after wait", "exp before/after signal", "pack before/after signal")
     print(f"{head[0]:18s} {head[1]:>6s} {head[2]:>6s}  {head[3]:>22s}  {head[4]:>24s}  {head[5]:>25s}")
