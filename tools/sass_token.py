@@ -48,15 +48,22 @@ class TokenPlace:
     packs_after_signal: int
 
 
+def _packaged(package: str, *parts: str) -> Path | None:
+    """The executable at `parts` under a root of `package` (a namespace package may have several), or None."""
+    spec = importlib.util.find_spec(package)
+    roots = (spec.submodule_search_locations or []) if spec is not None else []
+    found = (Path(root).joinpath(*parts) for root in roots)
+    return next((c for c in found if c.is_file() and os.access(c, os.X_OK)), None)
+
+
 def find_cuobjdump() -> Path | None:
     """cuobjdump where the build looks for nvcc (`find_cuda_tool`), or from a CUDA 12 nvidia-cuda-cuobjdump wheel."""
-    found = find_cuda_tool("cuobjdump")
-    if found is not None:
-        return found
-    spec = importlib.util.find_spec("nvidia")
-    roots = (spec.submodule_search_locations or []) if spec is not None else []
-    cuda12 = [Path(root) / "cuda_cuobjdump" / "bin" / "cuobjdump" for root in roots]
-    return next((c for c in cuda12 if c.is_file() and os.access(c, os.X_OK)), None)
+    return find_cuda_tool("cuobjdump") or _packaged("nvidia", "cuda_cuobjdump", "bin", "cuobjdump")
+
+
+def find_nvdisasm() -> Path | None:
+    """nvdisasm, which `cuobjdump -sass` runs: where the build looks for nvcc (`find_cuda_tool`), or Triton's copy."""
+    return find_cuda_tool("nvdisasm") or _packaged("triton", "backends", "nvidia", "bin", "nvdisasm")
 
 
 def kernel_name(mangled: str) -> str | None:
@@ -104,17 +111,6 @@ def token_places(name: str, sass: str) -> list[TokenPlace]:
             before_wait["exp"] + wait_to_signal["exp"], after_signal["exp"],
             before_wait["pack"] + wait_to_signal["pack"], after_signal["pack"]))
     return places
-
-
-def find_nvdisasm() -> Path | None:
-    """nvdisasm, which `cuobjdump -sass` runs: where the build looks for nvcc (`find_cuda_tool`), or Triton's copy."""
-    found = find_cuda_tool("nvdisasm")
-    if found is not None:
-        return found
-    spec = importlib.util.find_spec("triton")
-    roots = (spec.submodule_search_locations or []) if spec is not None else []
-    bundled = [Path(root) / "backends" / "nvidia" / "bin" / "nvdisasm" for root in roots]
-    return next((c for c in bundled if c.is_file() and os.access(c, os.X_OK)), None)
 
 
 def functions(cuobjdump: Path, library: Path, nvdisasm: Path) -> dict[str, str]:
