@@ -90,6 +90,16 @@ def test_compiled_the_torch_staging_gives_its_eager_bits():
     assert_same_staging(compiled, stage_kv(k, v))
 
 
+def test_the_kernel_takes_ks_codes_as_flat_blocks_and_says_so():
+    q, k, v = qkv(1, 2, 300, 64)
+    st = stage_kv(k, v)
+    assert st.k8_blocks.shape == (1, 2, 3, 128 * 64) and st.k8_blocks.data_ptr() == st.k8.data_ptr()
+    for k8 in (st.k8, st.k8_blocks.transpose(1, 2).contiguous().transpose(1, 2)):  # a (B, H, S, D) view; strided
+        with pytest.raises(ValueError, match=r"flat 128-key blocks, \(B, Hkv, Skv_pad // 128, 128 \* D\): pass "
+                                             r"StagedKV.k8_blocks"):
+            cuda_kernel.sage2_cuda_on_staged_kv(q, k8, st.k_scale, st.vt8, st.v_scale, st.k_mean, seq_kv=300)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("b,hq,hkv,s,d", [(1, 24, 24, 4608, 128), (2, 4, 2, 1000, 64), (1, 2, 2, 130, 128)])
@@ -101,8 +111,8 @@ def test_the_kernel_on_the_compiled_staging_gives_the_paths_output(b, hq, hkv, s
 
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         st = stage_kv(k, v)
-        return sage2_cuda_on_staged_kv_op(q, st.k8, st.k_scale, st.vt8, st.v_scale, st.k_mean, k.shape[2], None,
-                                          False, "bshd")
+        return sage2_cuda_on_staged_kv_op(q, st.k8_blocks, st.k_scale, st.vt8, st.v_scale, st.k_mean, k.shape[2],
+                                          None, False, "bshd")
 
     torch._dynamo.reset()
     got = torch.compile(attention, fullgraph=True)(q, k, v)
@@ -120,7 +130,7 @@ def test_the_kernel_on_the_compiled_staging_gives_the_paths_output(b, hq, hkv, s
 def test_a_q_the_kernel_cannot_read_whole_is_copied_first():
     q, k, v = qkv(1, 2, 256, 64)
     st = stage_kv(k, v)
-    args = (st.k8, st.k_scale, st.vt8, st.v_scale, st.k_mean, 256, None, False, "bhsd")
+    args = (st.k8_blocks, st.k_scale, st.vt8, st.v_scale, st.k_mean, 256, None, False, "bhsd")
     d_strided = q.transpose(2, 3).contiguous().transpose(2, 3)  # D not the unit stride
     assert not cuda_kernel.q_in_kernel_serves(d_strided)
     assert torch.equal(sage2_cuda_on_staged_kv_op(d_strided, *args), sage2_cuda_on_staged_kv_op(q, *args))

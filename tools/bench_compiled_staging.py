@@ -91,8 +91,8 @@ def opaque(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 def kernel_on(q: torch.Tensor, staged: StagedKV, seq_kv: int) -> torch.Tensor:
     """The kernel alone on `staged`, its output's heads inside ("bshd")."""
-    return sage2_cuda_on_staged_kv_op(q, staged.k8, staged.k_scale, staged.vt8, staged.v_scale, staged.k_mean, seq_kv,
-                                      None, False, "bshd")
+    return sage2_cuda_on_staged_kv_op(q, staged.k8_blocks, staged.k_scale, staged.vt8, staged.v_scale,
+                                      staged.k_mean, seq_kv, None, False, "bshd")
 
 
 def fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

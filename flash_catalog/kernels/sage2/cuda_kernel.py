@@ -356,8 +356,15 @@ def sage2_cuda_on_staged_kv(q: torch.Tensor, k8: torch.Tensor, k_scale: torch.Te
                             v_scale: torch.Tensor, k_mean: torch.Tensor, *, seq_kv: int, scale: float | None = None,
                             is_causal: bool = False, out_layout: str = "bhsd") -> torch.Tensor:
     """The kernel on K and V staged by `traced_staging.stage_kv` (FP8 P.V, V's scale per key block), quantising Q
-    itself: the attention that follows a staging the compiler fused into K's and V's producers. `seq_kv`: the keys
-    before padding. A Q the kernel cannot read whole (`q_in_kernel_serves`) is copied to one it can."""
+    itself: the attention that follows a staging the compiler fused into K's and V's producers. `k8`: K's codes as
+    flat 128-key blocks (`StagedKV.k8_blocks`). `seq_kv`: the keys before padding. A Q the kernel cannot read whole
+    (`q_in_kernel_serves`) is copied to one it can."""
+    d_v, block = vt8.shape[2], STAGING_TILES[1]
+    if k8.dim() != 4 or k8.shape[3] != block * d_v or not k8.is_contiguous():
+        raise ValueError(f"k8 is {tuple(k8.shape)}{'' if k8.is_contiguous() else ' (not contiguous)'}; the kernel "
+                         f"takes K's codes as contiguous flat {block}-key blocks, (B, Hkv, Skv_pad // {block}, "
+                         f"{block} * D): pass StagedKV.k8_blocks")
+    k8 = k8.view(k8.shape[0], k8.shape[1], -1, d_v)
     if not q_in_kernel_serves(q):
         q = q.clone(memory_format=torch.contiguous_format)
     b, h, sq, d = q.shape

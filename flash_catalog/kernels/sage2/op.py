@@ -107,7 +107,8 @@ def sage2_cuda_on_staged_kv_op(q: torch.Tensor, k8: torch.Tensor, k_scale: torch
                                v_scale: torch.Tensor, k_mean: torch.Tensor, seq_kv: int, scale: float | None,
                                is_causal: bool, out_layout: str = "bhsd") -> torch.Tensor:
     """The CUDA kernel on K and V that `traced_staging.stage_kv` staged (in the compiled graph, fused by inductor into
-    their producers); Q as the caller has it, quantised by the kernel."""
+    their producers), K's codes as flat blocks (`StagedKV.k8_blocks`); Q as the caller has it, quantised by the
+    kernel."""
     from .cuda_kernel import sage2_cuda_on_staged_kv
     return sage2_cuda_on_staged_kv(q, k8, k_scale, vt8, v_scale, k_mean, seq_kv=seq_kv, scale=scale,
                                    is_causal=is_causal, out_layout=out_layout)

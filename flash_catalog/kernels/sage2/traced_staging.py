@@ -33,13 +33,29 @@ class StagedKV:
     vt8: torch.Tensor      # (B, Hkv, D, Skv_pad) e4m3: V^T, tokens in the FP8 MMA order within every 32
     v_scale: torch.Tensor  # (B, Hkv, Skv_pad // 128) float32: max|block| / 448
 
+    @property
+    def k8_blocks(self) -> torch.Tensor:
+        """k8 as flat 128-key blocks, (B, Hkv, Skv_pad // 128, 128 * D), a view: as the op takes it. Inductor keeps
+        K's block maxima and quantisation one kernel only where the op reads the codes in the shape that kernel
+        writes them; handed a (B, Hkv, Skv_pad, D) view, it writes them from a second kernel, which reads K again."""
+        b, h, s, d = self.k8.shape
+        return self.k8.view(b, h, s // BLOCK_N, BLOCK_N * d)
+
+
+def mma_blocks(v: torch.Tensor, block: int) -> torch.Tensor:
+    """(B, H, S_pad, D) -> a view (B, H, D, S_pad // block, block // 16, 4, 2, 2) of V whose last four dims,
+    flattened, are V^T's columns in the MMA order: within every 16 keys, token 8a + 2t + b at column 4t + 2a + b,
+    the k-index at which the kernel's FP8 MMA meets that token's P value. `block` (a multiple of 16 dividing S_pad)
+    splits out a dimension to broadcast per-block scales against."""
+    b, h, s, d = v.shape
+    groups = v.view(b, h, s // block, block // 16, 2, 4, 2, d)  # token = block n + 16g + 8a + 2t + b
+    return groups.permute(0, 1, 7, 2, 3, 5, 4, 6)
+
 
 def mma_order(v: torch.Tensor) -> torch.Tensor:
-    """(B, H, S_pad, D) -> V^T (B, H, D, S_pad) with, within every 32 keys, token 16A + 8a + 2t + b at column
-    16A + 4t + 2a + b: the k-index at which the kernel's FP8 MMA meets that token's P value."""
+    """(B, H, S_pad, D) -> V^T (B, H, D, S_pad) in the MMA order (`mma_blocks`); S_pad a multiple of 16."""
     b, h, s, d = v.shape
-    groups = v.view(b, h, s // 32, 2, 2, 4, 2, d)  # token = 32g + 16A + 8a + 2t + b
-    return groups.permute(0, 1, 7, 2, 3, 5, 4, 6).reshape(b, h, d, s)
+    return mma_blocks(v, 16).reshape(b, h, d, s)
 
 
 def stage_kv(k: torch.Tensor, v: torch.Tensor) -> StagedKV:
@@ -47,9 +63,10 @@ def stage_kv(k: torch.Tensor, v: torch.Tensor) -> StagedKV:
     # K is converted at each use, not once: a float32 K used twice is a buffer inductor would write out in full
     mean = k.index_select(2, sampled_key_rows(k.shape[2], k.device)).float().mean(dim=2, keepdim=True)
     k8, k_scale = int8_blocks(k.float() - mean, BLOCK_N, 1.0)
-    # V is quantised in its staged order (a pointwise kernel that transposes), after its block maxima (a reduction)
+    # V is quantised in its staged order, read through a permuted view by one transposing pointwise kernel, after
+    # its block maxima (a reduction); a reshape of that view is a buffer inductor would write out first
     vp, v_amax = e4m3_block_amax(v.float(), BLOCK_N)
-    vt = mma_order(vp)
-    b, h, d, s_pad = vt.shape
-    vt8 = to_e4m3(vt.view(b, h, d, s_pad // BLOCK_N, BLOCK_N), v_amax[:, :, None, :, None]).view(b, h, d, s_pad)
+    b, h, s_pad, d = vp.shape
+    scale_at = v_amax.view(b, h, 1, s_pad // BLOCK_N, 1, 1, 1, 1)
+    vt8 = to_e4m3(mma_blocks(vp, BLOCK_N), scale_at).contiguous().view(b, h, d, s_pad)
     return StagedKV(k8, k_scale, mean.squeeze(2), vt8, v_amax / torch.full_like(v_amax, 448.0))
