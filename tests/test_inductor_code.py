@@ -1,5 +1,6 @@
-"""Inductor's CUDA code for the sage2 form's traced K/V staging in Flux's attention region, generated on this
-machine by tools/inductor_code.py (fake CUDA tensors, nothing compiled or run): the staging fuses as designed."""
+"""Inductor's CUDA code for the sage2 form's traced K/V staging and the kernel's op in Flux's attention region,
+generated on this machine by tools/inductor_code.py (fake CUDA tensors, nothing compiled or run): the staging
+fuses as designed."""
 
 from __future__ import annotations
 
@@ -27,15 +28,15 @@ def rows(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], dict
 @pytest.mark.parametrize("shape", SHAPES)
 def test_the_staging_writes_no_float32_copy_of_k_or_v(rows, shape):
     assert rows[(shape, "prologue")]["float32_kv_buffers"] == 0
-    assert rows[(shape, "staging")]["float32_kv_buffers"] == 0, rows[(shape, "staging")]["kernels"]
+    assert rows[(shape, "fused")]["float32_kv_buffers"] == 0, rows[(shape, "fused")]["kernels"]
 
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_k_is_quantised_with_its_block_maxima_in_one_kernel(rows, shape):
     # over the region without attention: V's concatenation goes, and four kernels come: K's sampled mean, K's block
     # maxima and quantisation (one kernel), V's block maxima, V's transposing quantisation
-    staging, prologue = rows[(shape, "staging")], rows[(shape, "prologue")]
-    assert staging["launches"] == prologue["launches"] + 3, staging["kernels"]
+    fused, prologue = rows[(shape, "fused")], rows[(shape, "prologue")]
+    assert fused["launches"] == prologue["launches"] + 3, fused["kernels"]
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -43,15 +44,15 @@ def test_the_staging_reads_k_once_and_v_in_place_of_its_concatenation(rows, shap
     b, h, s, d = map(int, shape.split("x"))
     s_pad = -(-s // 128) * 128
     k_bf16, k_int8, v_e4m3, sample = 2 * b * h * s * d, b * h * s_pad * d, b * h * s_pad * d, 2 * h * MEAN_SAMPLE * d
-    extra = 1e6 * (rows[(shape, "staging")]["megabytes"] - rows[(shape, "prologue")]["megabytes"])
-    assert extra <= k_bf16 + k_int8 + v_e4m3 + 2 * sample, rows[(shape, "staging")]["kernels"]
+    extra = 1e6 * (rows[(shape, "fused")]["megabytes"] - rows[(shape, "prologue")]["megabytes"])
+    assert extra <= k_bf16 + k_int8 + v_e4m3 + 2 * sample, rows[(shape, "fused")]["kernels"]
 
 
 def test_the_tool_checks_its_arguments(capsys):
     sys.path.insert(0, str(ROOT / "tools"))
     import inductor_code
 
-    for argv, why in ((["--cases", "staging,opaque"], "--cases: unknown opaque; known: staging, prologue"),
+    for argv, why in ((["--cases", "fused,opaque"], "--cases: unknown opaque; known: fused, prologue"),
                       (["--text", "-1"], "--text -1: want 0 or more tokens"),
                       (["--shapes", "1x24x4608x96"], "head_dim 64 or 128")):
         with pytest.raises(SystemExit):
