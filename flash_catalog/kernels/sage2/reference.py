@@ -75,13 +75,18 @@ def to_e4m3(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     return (x * inv).to(torch.float8_e4m3fn)
 
 
+def e4m3_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The dequantisation scale of codes made by `to_e4m3` against `amax`: amax / 448."""
+    return amax / torch.full_like(amax, 448.0)
+
+
 def e4m3_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x: (B, H, S, D) fp32. Returns e4m3 (B, H, S_pad, D), zero rows past S, each block of `block` rows scaled by
     its max|x| (floored at V_BLOCK_AMAX_FLOOR) / 448, and those scales, fp32 (B, H, nb)."""
     xp, amax = e4m3_block_amax(x, block)
     b, h, s_pad, d = xp.shape
     x8 = to_e4m3(xp.view(b, h, s_pad // block, block, d), amax[..., None, None]).view(b, h, s_pad, d)
-    return x8, amax / torch.full_like(amax, 448.0)
+    return x8, e4m3_scale(amax)
 
 
 def sampled_key_rows(skv: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -123,7 +128,7 @@ def reference_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_
         skv_pad = k8.shape[2]
         vt8 = torch.zeros((v.shape[0], v.shape[1], d, skv_pad), dtype=torch.float8_e4m3fn, device=v.device)
         vt8[:, :, :, :skv] = v8.transpose(2, 3)
-        out.update(vt8=vt8, v_scale=amax / torch.full_like(amax, 448.0))
+        out.update(vt8=vt8, v_scale=e4m3_scale(amax))
     else:
         out.update(vt8=None, v_scale=None)
     return out

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .reference import e4m3_block_amax, int8_blocks, sampled_key_rows, to_e4m3
+from .reference import e4m3_block_amax, e4m3_scale, int8_blocks, sampled_key_rows, to_e4m3
 
 BLOCK_N = 128  # keys per K scale and per V scale: the CUDA kernel's key tile (cuda_kernel.STAGING_TILES[1])
 
@@ -30,7 +30,7 @@ class StagedKV:
     k8: torch.Tensor       # (B, Hkv, Skv_pad, D) int8 of K less k_mean, zero rows past Skv
     k_scale: torch.Tensor  # (B, Hkv, Skv_pad // 128) float32: max|block| / 127
     k_mean: torch.Tensor   # (B, Hkv, D) float32: the mean of K's sampled keys
-    vt8: torch.Tensor      # (B, Hkv, D, Skv_pad) e4m3: V^T, tokens in the FP8 MMA order within every 32
+    vt8: torch.Tensor      # (B, Hkv, D, Skv_pad) e4m3: V^T, tokens in the FP8 MMA order within every 16
     v_scale: torch.Tensor  # (B, Hkv, Skv_pad // 128) float32: max|block| / 448
 
     @property
@@ -69,4 +69,4 @@ def stage_kv(k: torch.Tensor, v: torch.Tensor) -> StagedKV:
     b, h, s_pad, d = vp.shape
     scale_at = v_amax.view(b, h, 1, s_pad // BLOCK_N, 1, 1, 1, 1)
     vt8 = to_e4m3(mma_blocks(vp, BLOCK_N), scale_at).contiguous().view(b, h, d, s_pad)
-    return StagedKV(k8, k_scale, mean.squeeze(2), vt8, v_amax / torch.full_like(v_amax, 448.0))
+    return StagedKV(k8, k_scale, mean.squeeze(2), vt8, e4m3_scale(v_amax))
