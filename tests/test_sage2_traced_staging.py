@@ -104,8 +104,10 @@ def test_the_kernel_takes_ks_codes_as_flat_blocks_and_says_so():
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("b,hq,hkv,s,d", [(1, 24, 24, 4608, 128), (2, 4, 2, 1000, 64), (1, 2, 2, 130, 128)])
 def test_the_kernel_on_the_compiled_staging_gives_the_paths_output(b, hq, hkv, s, d):
-    """Compiled together, stage_kv and the op on it give what sage2_cuda_attention gives (on the same staging up to
-    K's rounding, `assert_same_staging`), in (B, S, H, D) storage, with the strides the op's fake output promised."""
+    """Compiled together, stage_kv and the op on it give what sage2_cuda_attention gives, as accurately, in (B, S, H,
+    D) storage, with the strides the op's fake output promised. Not bit for bit: K's codes on a rounding boundary
+    move with its mean's summation order (`assert_same_staging`), which moved 3.1e-3 of the output's norm at Flux's
+    shape on an H100 (53rd session)."""
     q, _, _ = qkv(b, hq, s, d)
     _, k, v = qkv(b, hkv, s, d)
 
@@ -118,9 +120,11 @@ def test_the_kernel_on_the_compiled_staging_gives_the_paths_output(b, hq, hkv, s
     got = torch.compile(attention, fullgraph=True)(q, k, v)
     want = cuda_kernel.sage2_cuda_attention(q, k, v, out_layout="bshd")
     assert got.shape == want.shape and got.stride() == want.stride()
-    assert float((got.float() - want.float()).norm() / want.float().norm()) < 2e-3
+    assert float((got.float() - want.float()).norm() / want.float().norm()) < 5e-3
     ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(hq // hkv, 1),
                                                            v.float().repeat_interleave(hq // hkv, 1))
+    err_got, err_want = (float((out.float() - ref).norm() / ref.norm()) for out in (got, want))
+    assert err_got <= 1.02 * err_want, (err_got, err_want)
     cos = torch.nn.functional.cosine_similarity(got.float().flatten(), ref.flatten(), dim=0)
     assert cos > 0.998, cos
 
