@@ -372,7 +372,7 @@ def sage2_cuda_on_staged_kv(q: torch.Tensor, k8: torch.Tensor, k_scale: torch.Te
                          pv="fp8", block_m=STAGING_TILES[0], block_n=STAGING_TILES[1], seq_q=sq, seq_kv=seq_kv,
                          v_block_scale=True)
     _check_staging(staged)
-    out = new_output((b, h, sq, vt8.shape[2]), q.dtype, q.device, out_layout)
+    out = new_output((b, h, sq, d_v), q.dtype, q.device, out_layout)
     if out.numel() == 0:
         return out
     sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)

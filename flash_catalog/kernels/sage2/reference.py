@@ -122,9 +122,7 @@ def reference_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_
     elif pv == "fp8":
         v32 = v.float()
         amax = v32.abs().amax(dim=2).clamp_min(AMAX_FLOOR)                  # (B, Hkv, D)
-        inv = torch.full_like(amax, 448.0) / amax
-        y = (v32 * inv[:, :, None, :]).clamp(-448.0, 448.0)
-        v8 = y.to(torch.float8_e4m3fn)                                      # round to nearest even
+        v8 = to_e4m3(v32, amax[:, :, None, :])
         skv_pad = k8.shape[2]
         vt8 = torch.zeros((v.shape[0], v.shape[1], d, skv_pad), dtype=torch.float8_e4m3fn, device=v.device)
         vt8[:, :, :, :skv] = v8.transpose(2, 3)
