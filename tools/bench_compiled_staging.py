@@ -103,16 +103,30 @@ VARIANTS: dict[str, Attention | None] = {"host": sdpa, "host_cudnn": sdpa_cudnn,
                                          "prologue": None}
 
 
-def inputs(shape: tuple[int, int, int, int], text: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+Specs = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def input_specs(shape: tuple[int, int, int, int], text: int) -> tuple[Specs, Specs]:
+    """The region's inputs by name, shape and dtype: the projections (B, S, H, D) of the text and image tokens, then
+    the norm weights and the rotary angles (S, D)."""
     b, h, s, d = shape
     text = min(text, s - 1)
-    parts = {f"{name}_{side}": torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16)
-             for name in "qkv" for side, n in (("txt", text), ("img", s - text))}
+    parts = {f"{name}_{side}": ((b, n, h, d), torch.bfloat16) for name in "qkv" for side, n in (("txt", text),
+                                                                                                ("img", s - text))}
+    weights: Specs = {name: ((d,), torch.bfloat16) for name in ("q_txt", "q_img", "k_txt", "k_img")}
+    weights.update(cos=((s, d), torch.float32), sin=((s, d), torch.float32))
+    return parts, weights
+
+
+def inputs(shape: tuple[int, int, int, int], text: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    b, h, s, d = shape
+    part_specs, weight_specs = input_specs(shape, text)
+    parts = {name: torch.randn(size, device="cuda", dtype=dtype) for name, (size, dtype) in part_specs.items()}
     for side in ("txt", "img"):  # keys share a per-channel mean, as real ones do
         parts[f"k_{side}"] += 0.5 * torch.randn(1, 1, h, d, device="cuda", dtype=torch.bfloat16)
     angles = torch.rand(s, d // 2, device="cuda") * torch.logspace(0, -4, d // 2, device="cuda") * s
-    w = {name: 1 + 0.1 * torch.randn(d, device="cuda", dtype=torch.bfloat16)
-         for name in ("q_txt", "q_img", "k_txt", "k_img")}
+    w = {name: 1 + 0.1 * torch.randn(size, device="cuda", dtype=dtype)
+         for name, (size, dtype) in weight_specs.items() if name not in ("cos", "sin")}
     w["cos"], w["sin"] = angles.cos().repeat_interleave(2, -1), angles.sin().repeat_interleave(2, -1)
     return parts, w
 

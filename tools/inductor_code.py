@@ -186,9 +186,9 @@ def fake_cuda() -> Iterator[None]:
 
 
 def generate(fn: Callable[..., object], args: list[tuple[tuple[int, ...], torch.dtype]]) -> GeneratedCode:
-    """Inductor's code for `fn` on contiguous CUDA tensors of these shapes and dtypes. `fn` is traced on CPU zeros
-    first (so that constants it makes, such as `torch.tensor(x)`, are real), its graph's devices set to CUDA, and
-    traced again on fake CUDA tensors for inductor; on a CPU-only torch under `fake_cuda`."""
+    """Inductor's code for `fn` on contiguous CUDA tensors of these shapes and dtypes. `fn` is traced on fake CPU
+    tensors first (constants it makes, such as `torch.tensor(x)`, stay real; custom ops run their fakes), its graph's
+    devices set to CUDA, and traced again on fake CUDA tensors for inductor; on a CPU-only torch under `fake_cuda`."""
     from torch._inductor.compile_fx import compile_fx
     from torch._inductor.graph import GraphLowering
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -248,25 +248,18 @@ def parse(source: str) -> GeneratedCode:
     return GeneratedCode(source, tuple(kernels), buffers)
 
 
-def case_function(case: str) -> Callable[..., object]:
-    """The region of `case` as a function of its tensors in `case_inputs`' order."""
+def case_function(case: str, shape: tuple[int, int, int, int],
+                  text: int) -> tuple[Callable[..., object], list[tuple[tuple[int, ...], torch.dtype]]]:
+    """The region of `case` as a function of its inputs (`bench_compiled_staging.input_specs`, projections then
+    weights, in order), and those inputs' shapes and dtypes."""
     import bench_compiled_staging as region_bench
 
     region = region_bench.region(region_bench.VARIANTS[case])
-    names = [f"{n}_{side}" for n in "qkv" for side in ("txt", "img")]
-    weights = ["q_txt", "q_img", "k_txt", "k_img", "cos", "sin"]
+    parts, weights = region_bench.input_specs(shape, text)
 
     def run(*tensors: torch.Tensor) -> object:
-        return region(dict(zip(names, tensors[:6])), dict(zip(weights, tensors[6:])))
-    return run
-
-
-def case_inputs(shape: tuple[int, int, int, int], text: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """Shapes and dtypes of the region's projections (B, S, H, D), norm weights and rotary angles."""
-    b, h, s, d = shape
-    text = min(text, s - 1)
-    parts = [((b, n, h, d), torch.bfloat16) for _ in "qkv" for n in (text, s - text)]
-    return parts + [((d,), torch.bfloat16)] * 4 + [((s, d), torch.float32)] * 2
+        return region(dict(zip(parts, tensors[:len(parts)])), dict(zip(weights, tensors[len(parts):])))
+    return run, [*parts.values(), *weights.values()]
 
 
 def summary(case: str, shape: tuple[int, int, int, int], code: GeneratedCode) -> dict:
@@ -295,7 +288,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for shape in args.shapes:
         for case in cases:
-            code = generate(case_function(case), case_inputs(shape, args.text))
+            code = generate(*case_function(case, shape, args.text))
             row = summary(case, shape, code)
             rows.append(row)
             print(f"{row['shape']} {case}: {row['launches']} launches, {row['megabytes']} MB, "
