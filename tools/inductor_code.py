@@ -4,8 +4,9 @@ inductor would launch, the bytes each moves by inductor's own estimate, and the 
 The region is traced on fake CUDA tensors and inductor is stopped once it has written its code: nothing is
 compiled or run. Without a GPU the device is a made-up sm_90 one (132 SMs), and inductor runs without its pattern
 matcher and its folding of uniform-value constants (both run CUDA ops), so a GPU's code may differ where those
-would apply. Cases (the region of tools/bench_compiled_staging.py: RMS norm, text and image tokens concatenated,
-RoPE):
+would apply. Torch 2.11 without a GPU makes K's block maxima and their quantisation two kernels, where an H100
+with the same torch made one, as torch 2.12 and 2.13 do without a GPU. Cases (the region of
+tools/bench_compiled_staging.py: RMS norm, text and image tokens concatenated, RoPE):
   prologue  the region without attention: it returns Q, K and V
   fused     the region with attention as the benchmark's `fused` variant runs it: the traced K/V staging
             (`traced_staging.stage_kv`), then the op `sage2_cuda_on_staged_kv` on it (the kernel alone, an extern
@@ -138,6 +139,7 @@ def fake_cuda() -> Iterator[None]:
     from torch._inductor import config
     from torch._inductor.async_compile import AsyncCompile
     from torch._inductor.fx_passes import joint_graph
+    from torch._subclasses import fake_tensor
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import CUDABackend
 
@@ -166,6 +168,7 @@ def fake_cuda() -> Iterator[None]:
         (torch.Tensor, "__getitem__", index_get),
         (torch.Tensor, "__setitem__", index_set),
         (joint_graph, "lazy_init", lambda *a, **k: None),
+        (fake_tensor, "init_gpu_context", lambda device: None),  # torch 2.11 would make a real CUDA tensor
         (AsyncCompile, "use_process_pool", classmethod(lambda cls: False)),  # no kernel is compiled as it is written
         (torch.utils._triton, "has_triton", lambda: True),
         (torch.utils._triton, "triton_backend", lambda: CUDABackend(GPUTarget("cuda", 90, 32))),
