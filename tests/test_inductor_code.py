@@ -10,10 +10,16 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = ("1x24x1000x64", "1x24x2048x128")  # a padded last key block at D64 (as SD3.5's), whole blocks at D128 (Flux)
 MEAN_SAMPLE = 256  # reference.MEAN_SAMPLE
+# torch 2.11's inductor, given fake CUDA tensors, makes K's block maxima and its quantisation two kernels (12 launches
+# at these shapes); on an H100 the same torch made one, as torch 2.12 and 2.13 do without a GPU (54th session)
+fuses_as_a_gpu = pytest.mark.skipif(
+    not torch.cuda.is_available() and tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 12),
+    reason="torch < 2.12 without a GPU: inductor's code for the staging differs from a GPU's; use torch >= 2.12")
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +37,7 @@ def test_the_staging_writes_no_float32_copy_of_k_or_v(rows, shape):
     assert rows[(shape, "fused")]["float32_kv_buffers"] == 0, rows[(shape, "fused")]["kernels"]
 
 
+@fuses_as_a_gpu
 @pytest.mark.parametrize("shape", SHAPES)
 def test_k_is_quantised_with_its_block_maxima_in_one_kernel(rows, shape):
     # over the region without attention: V's concatenation goes, and four kernels come: K's sampled mean, K's block
@@ -39,6 +46,7 @@ def test_k_is_quantised_with_its_block_maxima_in_one_kernel(rows, shape):
     assert fused["launches"] == prologue["launches"] + 3, fused["kernels"]
 
 
+@fuses_as_a_gpu
 @pytest.mark.parametrize("shape", SHAPES)
 def test_the_staging_reads_k_once_and_v_in_place_of_its_concatenation(rows, shape):
     b, h, s, d = map(int, shape.split("x"))
