@@ -13,7 +13,7 @@ import torch
 from flash_catalog import Plan, attach, detach
 from flash_catalog.adapters.router import AttentionRouter
 from flash_catalog.cli.tiny_hosts import build
-from flash_catalog.decide.step import StepOutcome
+from flash_catalog.decide.step import STEP_ROUNDS, StepOutcome
 from flash_catalog.plan.records import SiteRecord
 
 
@@ -84,7 +84,9 @@ def test_a_step_that_wins_keeps_every_binding_and_is_recorded_in_the_receipt(tmp
     plan = attach(host.model, inputs, attention_forms=["grouped_batch"])
     step = plan.step
     assert step.outcome is StepOutcome.FASTER and not step.dropped, str(plan)
-    assert step.speedup > 1 and step.spread[0] > 1 and step.rounds == 9 and step.host_ms > step.attached_ms
+    # the rounds follow the host's call time, which a loaded machine stretches (test_a_long_example_call_... sizes them)
+    assert step.speedup > 1 and step.spread[0] > 1 and STEP_ROUNDS[0] <= step.rounds <= STEP_ROUNDS[1]
+    assert step.host_ms > step.attached_ms
     assert {s.outcome for s in plan.sites} == {"bound"} and sum(plan.routed.values()) == 0
     assert plan.timings.step_s > 0 and "step check" in plan.timings.describe()
     detach(plan)
