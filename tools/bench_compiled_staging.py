@@ -1,7 +1,8 @@
 """The sage2 CUDA path under torch.compile with its K/V staging written as torch operations
-(`traced_staging.stage_kv`, for inductor to fuse into K's and V's producers) against the same path with the staging
-as a pass of its own inside the opaque op, and against SDPA, in an attention region as diffusers' Flux processor
-runs it.
+(`traced_staging.stage_kv`, for inductor to fuse into K's and V's producers), or folded with K's norm, the
+concatenation and K's RoPE into one hand-written pass from the projections (`joint_staging`), against the same path
+with the staging as a pass of its own inside the opaque op, and against SDPA, in an attention region as diffusers'
+Flux processor runs it.
 
 The region (compiled by inductor, fullgraph): RMS norm of the Q and K projections, text and image tokens
 concatenated (Q, K and V), RoPE on Q and K, attention, the heads merged. Random bf16 projections in (B, S, H, D) and
@@ -11,6 +12,9 @@ random norm weights and rotary angles. Variants:
   opaque      the path as the sage2_fp8_cuda form runs under compile: the op `sage2_cuda_attention` (staging pass,
               then the kernel)
   fused       stage_kv, then the op `sage2_cuda_on_staged_kv` (the kernel alone)
+  folded      K's norm, the concatenation, K's RoPE and the staging as one pass from the projections (the op
+              `sage2_stage_joint_kv`, a Triton pass written for it), then `sage2_cuda_on_staged_kv`; Q as the host
+              makes it
   prologue    the region without its attention (it returns Q, K and V): the attention's share of a variant is its
               region less this
 and, outside any region, `kernel` (the kernel alone on a staging made once) and `cudnn` (cuDNN's SDPA alone). All
@@ -39,7 +43,8 @@ from bench_sage_builds import (GRAPH_CALLS, alternating_medians, require_sm90, r
                                shapes_parser, write_rows)
 
 from flash_catalog.kernels.sage2 import cuda_kernel  # noqa: E402
-from flash_catalog.kernels.sage2.op import sage2_cuda_attention_op, sage2_cuda_on_staged_kv_op  # noqa: E402
+from flash_catalog.kernels.sage2.op import (sage2_cuda_attention_op, sage2_cuda_on_staged_kv_op,  # noqa: E402
+                                            sage2_stage_joint_kv_op)
 from flash_catalog.kernels.sage2.traced_staging import StagedKV, stage_kv  # noqa: E402
 
 DEFAULT_SHAPES = "1x24x4608x128,1x38x4429x64,2x24x4096x64"
@@ -99,8 +104,22 @@ def fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return kernel_on(q, stage_kv(k, v), k.shape[2])
 
 
+def folded_region(parts: dict[str, torch.Tensor], w: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The region with K and V staged from the projections in one pass (`joint_staging`): only Q's norm,
+    concatenation and RoPE are the host's ops."""
+    q = torch.cat([rms_norm(parts["q_txt"], w["q_txt"]), rms_norm(parts["q_img"], w["q_img"])], dim=1)
+    q = rope(q, w["cos"], w["sin"]).transpose(1, 2)
+    k8, k_scale, k_mean, vt8, v_scale = sage2_stage_joint_kv_op(
+        [parts["k_txt"], parts["k_img"]], [parts["v_txt"], parts["v_img"]], [w["k_txt"], w["k_img"]],
+        w["cos"][:, ::2], w["sin"][:, ::2], EPS)
+    staged = StagedKV(k8, k_scale, k_mean, vt8, v_scale)
+    return kernel_on(q, staged, q.shape[2]).transpose(1, 2).flatten(2)
+
+
 VARIANTS: dict[str, Attention | None] = {"host": sdpa, "host_cudnn": sdpa_cudnn, "opaque": opaque, "fused": fused,
                                          "prologue": None}
+REGIONS: dict[str, Callable[..., object]] = {**{name: region(att) for name, att in VARIANTS.items()},
+                                             "folded": folded_region}
 
 
 Specs = dict[str, tuple[tuple[int, ...], torch.dtype]]
@@ -141,9 +160,9 @@ def compare(shape: tuple[int, int, int, int], text: int, rounds: int) -> dict:
     failed: dict[str, str] = {}
     torch._dynamo.reset()  # per shape, not per variant: a reset would make the variants compiled before recompile
     with torch.no_grad():
-        for name, attention in VARIANTS.items():
+        for name, body in REGIONS.items():
             metrics.reset()
-            fn = torch.compile(region(attention), fullgraph=True, dynamic=False)
+            fn = torch.compile(body, fullgraph=True, dynamic=False)
             try:
                 out = fn(parts, w)
             except Exception as error:  # one variant that does not compile must not cost the others' numbers
@@ -152,7 +171,7 @@ def compare(shape: tuple[int, int, int, int], text: int, rounds: int) -> dict:
                 continue
             kernels[name] = metrics.generated_kernel_count
             calls[name] = lambda fn=fn: fn(parts, w)
-            if attention is not None:
+            if name != "prologue":
                 outs[name] = out
         q, k, v = region(None)(parts, w)
         staged = stage_kv(k, v)
@@ -164,7 +183,7 @@ def compare(shape: tuple[int, int, int, int], text: int, rounds: int) -> dict:
                  "inductor_kernels": kernels, **{f"{name}_ms": round(t, 4) for name, t in ms.items()}}
     if "host_cudnn" not in ms:
         ms["host_cudnn"] = ms["host"]
-    for name in ("host", "opaque", "fused"):
+    for name in ("host", "opaque", "fused", "folded"):
         if name not in outs:
             continue
         row[f"{name}_region_vs_host_cudnn"] = round(ms["host_cudnn"] / ms[name], 4)

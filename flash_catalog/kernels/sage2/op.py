@@ -115,3 +115,30 @@ def sage2_cuda_on_staged_kv_op(q: torch.Tensor, k8: torch.Tensor, k_scale: torch
 
 
 sage2_cuda_on_staged_kv_op.register_fake(_fake_on_staged_kv)
+
+
+def _fake_joint_kv(k: list[torch.Tensor], v: list[torch.Tensor], k_norm: list[torch.Tensor],
+                   cos: torch.Tensor | None, sin: torch.Tensor | None,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from .traced_staging import BLOCK_N
+    b, _, h, d = k[0].shape
+    n_kb = -(-sum(t.shape[1] for t in k) // BLOCK_N)
+    f32 = torch.float32
+    return (k[0].new_empty((b, h, n_kb * BLOCK_N, d), dtype=torch.int8), k[0].new_empty((b, h, n_kb), dtype=f32),
+            k[0].new_empty((b, h, d), dtype=f32), k[0].new_empty((b, h, d, n_kb * BLOCK_N), dtype=torch.float8_e4m3fn),
+            k[0].new_empty((b, h, n_kb), dtype=f32))
+
+
+@torch.library.custom_op("flash_catalog::sage2_stage_joint_kv", mutates_args=())
+def sage2_stage_joint_kv_op(k: list[torch.Tensor], v: list[torch.Tensor], k_norm: list[torch.Tensor],
+                            cos: torch.Tensor | None, sin: torch.Tensor | None,
+                            eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`joint_staging.stage_joint_kv` (K and V staged from the projections of a joint attention, through the key
+    norm and RoPE; `k_norm` empty for none; cos and sin (S, D / 2), each pair's angle, or None): k8, k_scale,
+    k_mean, vt8, v_scale, for `sage2_cuda_on_staged_kv` (k8 as flat blocks there)."""
+    from .joint_staging import stage_joint_kv
+    st = stage_joint_kv(k, v, k_norm=k_norm or None, eps=eps, rope=None if cos is None else (cos, sin))
+    return st.k8, st.k_scale, st.k_mean, st.vt8, st.v_scale
+
+
+sage2_stage_joint_kv_op.register_fake(_fake_joint_kv)
