@@ -43,7 +43,7 @@ def _joint_tile(A, B, b, h, rows, offs_d, valid, SPLIT,
 
 
 @triton.jit
-def _rounded(x, OUT_TY, INTERPRETED: tl.constexpr):
+def _rounded(x, OUT_TY: tl.constexpr, INTERPRETED: tl.constexpr):
     """fp32 `x` rounded to OUT_TY (to nearest even), kept in fp32. The interpreter's fp32->bf16 cast truncates, so
     there the rounding is done on the bits (finite values)."""
     if INTERPRETED and OUT_TY == tl.bfloat16:
@@ -55,7 +55,7 @@ def _rounded(x, OUT_TY, INTERPRETED: tl.constexpr):
 
 @triton.jit
 def _norm_rope(x, rows, valid, offs_d, SPLIT, WA, WB, COS, SIN, s_cs, s_cd, eps,
-               BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr, OUT_TY,
+               BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr, OUT_TY: tl.constexpr,
                INTERPRETED: tl.constexpr):
     """diffusers' RMSNorm (A's weight on A's tokens, B's on B's) and RoPE on fp32 tokens `x`, each result rounded to
     OUT_TY as the host's tensors are; rows not valid stay zero."""
