@@ -17,9 +17,10 @@ random norm weights and rotary angles. Variants:
               makes it
   prologue    the region without its attention (it returns Q, K and V): the attention's share of a variant is its
               region less this
-and, outside any region, `kernel` (the kernel alone on a staging made once) and `cudnn` (cuDNN's SDPA alone). All
-replayed from CUDA graphs of 10 calls, alternating over `--rounds` rounds (median). Accuracy of each region's
-output against host_cudnn's (cosine, relative L2); kernels inductor generated per variant.
+and, outside any region, `kernel` (the kernel alone on a staging made once), `cudnn` (cuDNN's SDPA alone),
+`staging_pass` (the block staging the op runs, from the host's K and V) and `fold_pass` (the folded one, from the
+projections). All replayed from CUDA graphs of 10 calls, alternating over `--rounds` rounds (median). Accuracy of
+each region's output against host_cudnn's (cosine, relative L2); kernels inductor generated per variant.
 
     python tools/bench_compiled_staging.py [--shapes 1x24x4608x128,...] [--text 512] [--rounds N] [--json out.json]
 """
@@ -45,6 +46,8 @@ from bench_sage_builds import (GRAPH_CALLS, alternating_medians, require_sm90, r
 from flash_catalog.kernels.sage2 import cuda_kernel  # noqa: E402
 from flash_catalog.kernels.sage2.op import (sage2_cuda_attention_op, sage2_cuda_on_staged_kv_op,  # noqa: E402
                                             sage2_stage_joint_kv_op)
+from flash_catalog.kernels.sage2.joint_staging import stage_joint_kv  # noqa: E402
+from flash_catalog.kernels.sage2.quant import quantize_qkv  # noqa: E402
 from flash_catalog.kernels.sage2.traced_staging import StagedKV, stage_kv  # noqa: E402
 
 DEFAULT_SHAPES = "1x24x4608x128,1x38x4429x64,2x24x4096x64"
@@ -177,6 +180,11 @@ def compare(shape: tuple[int, int, int, int], text: int, rounds: int) -> dict:
         staged = stage_kv(k, v)
         calls["kernel"] = lambda: kernel_on(q, staged, k.shape[2])
         calls["cudnn"] = lambda: sdpa_cudnn(q, k, v)
+        calls["staging_pass"] = lambda: quantize_qkv(q, k, v, pv="fp8", block_m=64, block_n=128, v_mma_order=True,
+                                                     v_block_scale=True, stage_q=False)
+        calls["fold_pass"] = lambda: stage_joint_kv([parts["k_txt"], parts["k_img"]], [parts["v_txt"], parts["v_img"]],
+                                                    k_norm=[w["k_txt"], w["k_img"]], eps=EPS,
+                                                    rope=(w["cos"][:, ::2], w["sin"][:, ::2]))
         ms = alternating_medians({name: bench_sage.captured(fn, GRAPH_CALLS) for name, fn in calls.items()}, rounds)
     ref = outs.get("host_cudnn", outs.get("host"))
     row: dict = {"shape": "x".join(map(str, shape)), "text_tokens": min(text, shape[2] - 1), "failed": failed,
@@ -193,6 +201,7 @@ def compare(shape: tuple[int, int, int, int], text: int, rounds: int) -> dict:
         acc = bench_sage.accuracy(outs[name], ref)
         row[f"{name}_cos"], row[f"{name}_rel_l2"] = round(acc["cos"], 6), round(acc["rel_l2"], 5)
     row["kernel_vs_cudnn"] = round(ms["cudnn"] / ms["kernel"], 4)
+    row["staging_pass_us"], row["fold_pass_us"] = (round(1000 * ms[name], 1) for name in ("staging_pass", "fold_pass"))
     if "fused" in outs and "opaque" in outs:
         row["fused_equals_opaque"] = bool(torch.equal(outs["fused"], outs["opaque"]))
     return row
