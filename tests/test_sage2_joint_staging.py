@@ -104,6 +104,18 @@ def test_one_pass_from_the_projections_stages_the_hosts_keys_and_values(b, h, pa
     assert_staging_close(host.folded(), *host.kv(), exact=DEVICE == "cpu" and not norm)
 
 
+@pytest.mark.parametrize("heads_per_program,num_warps", [(1, 4), (3, 8), (8, None)])
+def test_any_heads_a_program_and_warps_stage_the_same_bits(heads_per_program, num_warps):
+    """Five heads: groups of 1, 3 (the last one short) or 8 (one group, three heads idle) heads a program."""
+    host = JointHost(1, 5, (100, 200), 64, torch.bfloat16, True, True)
+    want = host.folded()
+    got = stage_joint_kv(host.k, host.v, k_norm=[n.weight for n in host.norms], eps=EPS, rope=host.angles,
+                         heads_per_program=heads_per_program, num_warps=num_warps)
+    for name in ("k8", "k_scale", "k_mean", "v_scale"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert torch.equal(got.vt8.float(), want.vt8.float())
+
+
 def test_the_op_gives_the_functions_buffers_and_compiles_without_a_break():
     host = JointHost(1, 2, (100, 200), 64, torch.bfloat16, True, True)
     weights = [n.weight.detach() for n in host.norms]
@@ -142,6 +154,10 @@ def test_bad_inputs_are_named_with_what_is_allowed():
         stage_joint_kv(k, v, rope=(cos, sin.contiguous()))
     with pytest.raises(ValueError, match=r"v\[0\] is torch.float16 .* allowed: k\[0\]'s torch.bfloat16"):
         stage_joint_kv(k, [v[0].half(), v[1]])
+    with pytest.raises(ValueError, match=r"heads_per_program is 0; allowed: an int in \[1, 8\]"):
+        stage_joint_kv(k, v, heads_per_program=0)
+    with pytest.raises(ValueError, match=r"num_warps is 3; allowed: None, 2, 4, 8, 16"):
+        stage_joint_kv(k, v, num_warps=3)
 
 
 @pytest.mark.gpu

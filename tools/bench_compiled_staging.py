@@ -19,8 +19,9 @@ random norm weights and rotary angles. Variants:
               region less this
 and, outside any region, `kernel` (the kernel alone on a staging made once), `cudnn` (cuDNN's SDPA alone),
 `staging_pass` (the block staging the op runs, from the host's K and V) and `fold_pass` (the folded one, from the
-projections). All replayed from CUDA graphs of 10 calls, alternating over `--rounds` rounds (median). Accuracy of
-each region's output against host_cudnn's (cosine, relative L2); kernels inductor generated per variant.
+projections, at each of FOLD_CONFIGS: heads a program, warps). All replayed from CUDA graphs of 10 calls,
+alternating over `--rounds` rounds (median). Accuracy of each region's output against host_cudnn's (cosine,
+relative L2); kernels inductor generated per variant.
 
     python tools/bench_compiled_staging.py [--shapes 1x24x4608x128,...] [--text 512] [--rounds N] [--json out.json]
 """
@@ -51,6 +52,7 @@ from flash_catalog.kernels.sage2.quant import quantize_qkv  # noqa: E402
 from flash_catalog.kernels.sage2.traced_staging import StagedKV, stage_kv  # noqa: E402
 
 DEFAULT_SHAPES = "1x24x4608x128,1x38x4429x64,2x24x4096x64"
+FOLD_CONFIGS = ((1, 8), (1, 16), (2, 8), (2, 16), (4, 16))  # the folded pass alone: heads a program, warps
 EPS = 1e-6
 
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -114,7 +116,7 @@ def folded_region(parts: dict[str, torch.Tensor], w: dict[str, torch.Tensor]) ->
     q = rope(q, w["cos"], w["sin"]).transpose(1, 2)
     k8, k_scale, k_mean, vt8, v_scale = sage2_stage_joint_kv_op(
         [parts["k_txt"], parts["k_img"]], [parts["v_txt"], parts["v_img"]], [w["k_txt"], w["k_img"]],
-        w["cos"][:, ::2], w["sin"][:, ::2], EPS)
+        w["cos_pair"], w["sin_pair"], EPS)
     staged = StagedKV(k8, k_scale, k_mean, vt8, v_scale)
     return kernel_on(q, staged, q.shape[2]).transpose(1, 2).flatten(2)
 
@@ -150,6 +152,8 @@ def inputs(shape: tuple[int, int, int, int], text: int) -> tuple[dict[str, torch
     w = {name: 1 + 0.1 * torch.randn(size, device="cuda", dtype=dtype)
          for name, (size, dtype) in weight_specs.items() if name not in ("cos", "sin")}
     w["cos"], w["sin"] = angles.cos().repeat_interleave(2, -1), angles.sin().repeat_interleave(2, -1)
+    # each pair's angle once, contiguous: what a folding processor would make once per forward, for every layer
+    w["cos_pair"], w["sin_pair"] = w["cos"][:, ::2].contiguous(), w["sin"][:, ::2].contiguous()
     return parts, w
 
 
@@ -182,9 +186,10 @@ def compare(shape: tuple[int, int, int, int], text: int, rounds: int) -> dict:
         calls["cudnn"] = lambda: sdpa_cudnn(q, k, v)
         calls["staging_pass"] = lambda: quantize_qkv(q, k, v, pv="fp8", block_m=64, block_n=128, v_mma_order=True,
                                                      v_block_scale=True, stage_q=False)
-        calls["fold_pass"] = lambda: stage_joint_kv([parts["k_txt"], parts["k_img"]], [parts["v_txt"], parts["v_img"]],
-                                                    k_norm=[w["k_txt"], w["k_img"]], eps=EPS,
-                                                    rope=(w["cos"][:, ::2], w["sin"][:, ::2]))
+        for heads, warps in FOLD_CONFIGS:
+            calls[f"fold_pass_h{heads}_w{warps}"] = lambda heads=heads, warps=warps: stage_joint_kv(
+                [parts["k_txt"], parts["k_img"]], [parts["v_txt"], parts["v_img"]], k_norm=[w["k_txt"], w["k_img"]],
+                eps=EPS, rope=(w["cos_pair"], w["sin_pair"]), heads_per_program=heads, num_warps=warps)
         ms = alternating_medians({name: bench_sage.captured(fn, GRAPH_CALLS) for name, fn in calls.items()}, rounds)
     ref = outs.get("host_cudnn", outs.get("host"))
     row: dict = {"shape": "x".join(map(str, shape)), "text_tokens": min(text, shape[2] - 1), "failed": failed,
@@ -201,7 +206,9 @@ def compare(shape: tuple[int, int, int, int], text: int, rounds: int) -> dict:
         acc = bench_sage.accuracy(outs[name], ref)
         row[f"{name}_cos"], row[f"{name}_rel_l2"] = round(acc["cos"], 6), round(acc["rel_l2"], 5)
     row["kernel_vs_cudnn"] = round(ms["cudnn"] / ms["kernel"], 4)
-    row["staging_pass_us"], row["fold_pass_us"] = (round(1000 * ms[name], 1) for name in ("staging_pass", "fold_pass"))
+    row["staging_pass_us"] = round(1000 * ms["staging_pass"], 1)
+    row["fold_pass_us"] = {f"{heads} heads, {warps} warps": round(1000 * ms[f"fold_pass_h{heads}_w{warps}"], 1)
+                           for heads, warps in FOLD_CONFIGS}
     if "fused" in outs and "opaque" in outs:
         row["fused_equals_opaque"] = bool(torch.equal(outs["fused"], outs["opaque"]))
     return row

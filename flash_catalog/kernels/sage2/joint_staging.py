@@ -26,6 +26,10 @@ import triton.language as tl
 from .quant import DTYPES, HEAD_DIMS, MEAN_SAMPLE, _quant_int8_block, _quant_v_fp8_block, interpreter_active
 from .traced_staging import BLOCK_N, StagedKV
 
+# The K/V pass's defaults, chosen by ptxas's allocation (128 registers a thread, no spills, at either head dim), not
+# yet timed on a GPU: two heads a program share the angles' loads; 16 warps at D128, 8 at D64.
+HEADS_PER_PROGRAM = 2
+
 
 @triton.jit
 def _joint_tile(A, B, b, h, rows, offs_d, valid, SPLIT,
@@ -54,22 +58,27 @@ def _rounded(x, OUT_TY: tl.constexpr, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def _norm_rope(x, rows, valid, offs_d, SPLIT, WA, WB, COS, SIN, s_cs, s_cd, eps,
-               BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr, OUT_TY: tl.constexpr,
-               INTERPRETED: tl.constexpr):
-    """diffusers' RMSNorm (A's weight on A's tokens, B's on B's) and RoPE on fp32 tokens `x`, each result rounded to
-    OUT_TY as the host's tensors are; rows not valid stay zero."""
+def _angles(COS, SIN, rows, valid, s_cs, s_cd, HEAD_DIM: tl.constexpr):
+    """cos and sin of each pair's angle at `rows`, (rows, HEAD_DIM / 2) fp32, zero where not valid."""
+    half = tl.arange(0, HEAD_DIM // 2)
+    at = rows[:, None].to(tl.int64) * s_cs + half[None, :] * s_cd
+    return (tl.load(COS + at, mask=valid[:, None], other=0.0), tl.load(SIN + at, mask=valid[:, None], other=0.0))
+
+
+@triton.jit
+def _norm_rope(x, rows, offs_d, SPLIT, WA, WB, c, s, eps,
+               BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr,
+               OUT_TY: tl.constexpr, INTERPRETED: tl.constexpr):
+    """diffusers' RMSNorm (A's weight on A's tokens, B's on B's) and RoPE (pair (2i, 2i + 1) turned by the angle
+    whose cos and sin are c[:, i], s[:, i]) on fp32 tokens `x`, each result rounded to OUT_TY as the host's tensors
+    are; zero rows stay zero."""
     if NORM:
         var = tl.sum(x * x, 1) / HEAD_DIM
         xn = _rounded(x * tl.math.rsqrt(var + eps)[:, None], OUT_TY, INTERPRETED)
         wa = tl.load(WA + offs_d).to(tl.float32)
         wb = tl.load(WB + offs_d).to(tl.float32)
         x = _rounded(xn * tl.where((rows < SPLIT)[:, None], wa[None, :], wb[None, :]), OUT_TY, INTERPRETED)
-    if ROPE:  # each pair (2i, 2i + 1) turned by its angle: cos and sin are (S, D / 2)
-        half = tl.arange(0, HEAD_DIM // 2)
-        at = rows[:, None].to(tl.int64) * s_cs + half[None, :] * s_cd
-        c = tl.load(COS + at, mask=valid[:, None], other=0.0)
-        s = tl.load(SIN + at, mask=valid[:, None], other=0.0)
+    if ROPE:
         even, odd = tl.split(tl.reshape(x, (BLOCK, HEAD_DIM // 2, 2)))
         x = tl.reshape(tl.join(even * c - odd * s, odd * c + even * s), (BLOCK, HEAD_DIM))
         x = _rounded(x, OUT_TY, INTERPRETED)
@@ -91,8 +100,9 @@ def _joint_k_mean_kernel(KA, KB, WA, WB, COS, SIN, KMEAN, SPLIT, SEQ, H,
     offs_d = tl.arange(0, HEAD_DIM)
     x = _joint_tile(KA, KB, pid_bh // H, pid_bh % H, rows, offs_d, valid, SPLIT,
                     sa_b, sa_s, sa_h, sa_d, sb_b, sb_s, sb_h, sb_d)
-    x = _norm_rope(x, rows, valid, offs_d, SPLIT, WA, WB, COS, SIN, s_cs, s_cd, eps, SAMPLE, HEAD_DIM, NORM, ROPE,
-                   KA.dtype.element_ty, INTERPRETED)
+    c, s = _angles(COS, SIN, rows, valid, s_cs, s_cd, HEAD_DIM) if ROPE else (0.0, 0.0)
+    x = _norm_rope(x, rows, offs_d, SPLIT, WA, WB, c, s, eps, SAMPLE, HEAD_DIM, NORM, ROPE, KA.dtype.element_ty,
+                   INTERPRETED)
     total = tl.sum(tl.where(valid[:, None], x, 0.0), 0)
     tl.store(KMEAN + pid_bh.to(tl.int64) * HEAD_DIM + offs_d,
              tl.math.div_rn(total, tl.zeros_like(total) + n.to(tl.float32)))
@@ -103,28 +113,34 @@ def _joint_kv_kernel(KA, KB, VA, VB, WA, WB, COS, SIN, KMEAN, K8, KS, VS, VT8,
                      SPLIT, SEQ, SEQ_PAD, N_KB, H,
                      ka_b, ka_s, ka_h, ka_d, kb_b, kb_s, kb_h, kb_d,
                      va_b, va_s, va_h, va_d, vb_b, vb_s, vb_h, vb_d, s_cs, s_cd, eps,
-                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr,
-                     INTERPRETED: tl.constexpr):
-    """Keys [pid_m * BLOCK_N, +BLOCK_N) of (batch, head) program_id(1): K normed, rotated, less its mean, as INT8
-    with the block's scale; the same keys of V as e4m3 with the block's scale, V^T in the MMA order."""
+                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS: tl.constexpr, NORM: tl.constexpr,
+                     ROPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Keys [pid_m * BLOCK_N, +BLOCK_N) of HEADS heads of one batch (program_id(1): the batch, then the group of
+    heads), each head's K normed, rotated, less its mean, as INT8 with the block's scale, and the same keys of its V
+    as e4m3 with the block's scale, V^T in the MMA order. The heads share the keys' angles, loaded once."""
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
+    groups = tl.cdiv(H, HEADS)
+    b = tl.program_id(1) // groups
+    h0 = (tl.program_id(1) % groups) * HEADS
     offs_d = tl.arange(0, HEAD_DIM)
     rows = pid_m * BLOCK_N + tl.arange(0, BLOCK_N)
     valid = rows < SEQ
-    x = _joint_tile(KA, KB, b, h, rows, offs_d, valid, SPLIT, ka_b, ka_s, ka_h, ka_d, kb_b, kb_s, kb_h, kb_d)
-    x = _norm_rope(x, rows, valid, offs_d, SPLIT, WA, WB, COS, SIN, s_cs, s_cd, eps, BLOCK_N, HEAD_DIM, NORM, ROPE,
-                   KA.dtype.element_ty, INTERPRETED)
-    _quant_int8_block(KA, KMEAN, K8, KS, KA, KA, pid_m, pid_bh, 0, 0, 0, 0, 0, 0, 0, 0,
-                      H, SEQ, SEQ_PAD, N_KB, 1.0, BLOCK_N, HEAD_DIM, True, False, x, True)
+    c, s = _angles(COS, SIN, rows, valid, s_cs, s_cd, HEAD_DIM) if ROPE else (0.0, 0.0)
     k = tl.arange(0, BLOCK_N)  # column 16A + 4t + 2a + b of V^T holds token 16A + 8a + 2t + b
     v_rows = pid_m * BLOCK_N + (k // 16) * 16 + ((k // 2) % 2) * 8 + ((k // 4) % 4) * 2 + k % 2
-    vx = _joint_tile(VA, VB, b, h, v_rows, offs_d, v_rows < SEQ, SPLIT, va_b, va_s, va_h, va_d,
-                     vb_b, vb_s, vb_h, vb_d)
-    _quant_v_fp8_block(VA, VS, VT8, pid_m, pid_bh, 0, 0, 0, 0, H, SEQ, SEQ_PAD, BLOCK_N, HEAD_DIM, INTERPRETED,
-                       True, vx, True, True)
+    for j in tl.static_range(HEADS):
+        h = h0 + j
+        if h < H:
+            pid_bh = b * H + h
+            x = _joint_tile(KA, KB, b, h, rows, offs_d, valid, SPLIT, ka_b, ka_s, ka_h, ka_d, kb_b, kb_s, kb_h, kb_d)
+            x = _norm_rope(x, rows, offs_d, SPLIT, WA, WB, c, s, eps, BLOCK_N, HEAD_DIM, NORM, ROPE,
+                           KA.dtype.element_ty, INTERPRETED)
+            _quant_int8_block(KA, KMEAN, K8, KS, KA, KA, pid_m, pid_bh, 0, 0, 0, 0, 0, 0, 0, 0,
+                              H, SEQ, SEQ_PAD, N_KB, 1.0, BLOCK_N, HEAD_DIM, True, False, x, True)
+            vx = _joint_tile(VA, VB, b, h, v_rows, offs_d, v_rows < SEQ, SPLIT, va_b, va_s, va_h, va_d,
+                             vb_b, vb_s, vb_h, vb_d)
+            _quant_v_fp8_block(VA, VS, VT8, pid_m, pid_bh, 0, 0, 0, 0, H, SEQ, SEQ_PAD, BLOCK_N, HEAD_DIM,
+                               INTERPRETED, True, vx, True, True)
 
 
 def _parts(name: str, parts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -189,16 +205,23 @@ def validate_joint(k: Sequence[torch.Tensor], v: Sequence[torch.Tensor], k_norm:
 
 def stage_joint_kv(k: Sequence[torch.Tensor], v: Sequence[torch.Tensor], *,
                    k_norm: Sequence[torch.Tensor] | None = None, eps: float = 1e-6,
-                   rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> StagedKV:
+                   rope: tuple[torch.Tensor, torch.Tensor] | None = None, heads_per_program: int = HEADS_PER_PROGRAM,
+                   num_warps: int | None = None) -> StagedKV:
     """Stage the keys and values of a joint attention for the CUDA kernel from their projections.
 
     `k`, `v`: one or two (B, S_i, H, D) fp16/bf16 tensors each (text, then image; any strides), concatenated along
     the sequence. `k_norm`: each part's RMSNorm weight (D,), applied with `eps`, or None for no norm. `rope`: (cos,
     sin) of each pair's angle, float32 (S, D / 2) over the whole sequence, or None: pair (2i, 2i + 1) is turned by
     angle i, as diffusers' real form turns it given cos and sin repeated per pair (pass its (S, D) tensors'
-    [:, ::2] once they are seen to repeat; they are read in place). Returns
+    [:, ::2] once they are seen to repeat, contiguous for vector loads; they are read in place).
+    `heads_per_program`: heads whose same keys one program of the K/V pass stages, sharing the angles' loads;
+    `num_warps`: its warps (None: 16 at D128, 8 at D64). Returns
     what `traced_staging.stage_kv` returns for the host's K and V; the inputs are only read."""
     validate_joint(k, v, k_norm, rope)
+    if isinstance(heads_per_program, bool) or not isinstance(heads_per_program, int) or not 1 <= heads_per_program <= 8:
+        raise ValueError(f"heads_per_program is {heads_per_program!r}; allowed: an int in [1, 8]")
+    if num_warps not in (None, 2, 4, 8, 16):
+        raise ValueError(f"num_warps is {num_warps!r}; allowed: None, 2, 4, 8, 16")
     ka, kb, split = _parts("k", k)
     va, vb, _ = _parts("v", v)
     bsz, _, heads, d = ka.shape
@@ -218,8 +241,9 @@ def stage_joint_kv(k: Sequence[torch.Tensor], v: Sequence[torch.Tensor], *,
     k_strides = (*ka.stride(), *kb.stride())
     _joint_k_mean_kernel[(bsz * heads,)](ka, kb, wa, wb, cos, sin, k_mean, split, seq, heads, *k_strides, s_cs, s_cd,
                                          float(eps), SAMPLE=MEAN_SAMPLE, num_warps=8, **flags)
-    _joint_kv_kernel[(n_kb, bsz * heads)](ka, kb, va, vb, wa, wb, cos, sin, k_mean, k8, k_scale, v_scale, vt8,
-                                          split, seq, seq_pad, n_kb, heads, *k_strides, *va.stride(), *vb.stride(),
-                                          s_cs, s_cd, float(eps), BLOCK_N=BLOCK_N,
-                                          num_warps=8 if d == 128 else 4, **flags)
+    groups = bsz * -(-heads // heads_per_program)
+    _joint_kv_kernel[(n_kb, groups)](ka, kb, va, vb, wa, wb, cos, sin, k_mean, k8, k_scale, v_scale, vt8,
+                                     split, seq, seq_pad, n_kb, heads, *k_strides, *va.stride(), *vb.stride(),
+                                     s_cs, s_cd, float(eps), BLOCK_N=BLOCK_N, HEADS=heads_per_program,
+                                     num_warps=num_warps or (16 if d == 128 else 8), **flags)
     return StagedKV(k8, k_scale, k_mean, vt8, v_scale)
