@@ -134,7 +134,7 @@ def test_bad_inputs_are_named_with_what_is_allowed():
     host = JointHost(1, 2, (100, 200), 64, torch.bfloat16, True, True)
     weights = [n.weight for n in host.norms]
     k, v = host.k, host.v
-    with pytest.raises(ValueError, match=r"k must be one or two \(B, S, H, D\) tensors .* got 3"):
+    with pytest.raises(ValueError, match=r"k must be one or two \(B, S, H, D\) tensors in sequence order; got 3"):
         stage_joint_kv([k[0], k[1], k[0]], v)
     with pytest.raises(ValueError, match=r"k has 2 parts and v 1; allowed: the same parts"):
         stage_joint_kv(k, v[:1])

@@ -146,7 +146,7 @@ def _joint_kv_kernel(KA, KB, VA, VB, WA, WB, COS, SIN, KMEAN, K8, KS, VS, VT8,
 def _parts(name: str, parts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(first, second, first's tokens) of one or two (B, S_i, H, D) parts; a single part stands as both, split at 0."""
     if not 1 <= len(parts) <= 2:
-        raise ValueError(f"{name} must be one or two (B, S, H, D) tensors (text, then image); got {len(parts)}")
+        raise ValueError(f"{name} must be one or two (B, S, H, D) tensors in sequence order; got {len(parts)}")
     for i, t in enumerate(parts):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -209,14 +209,14 @@ def stage_joint_kv(k: Sequence[torch.Tensor], v: Sequence[torch.Tensor], *,
                    num_warps: int | None = None) -> StagedKV:
     """Stage the keys and values of a joint attention for the CUDA kernel from their projections.
 
-    `k`, `v`: one or two (B, S_i, H, D) fp16/bf16 tensors each (text, then image; any strides), concatenated along
-    the sequence. `k_norm`: each part's RMSNorm weight (D,), applied with `eps`, or None for no norm. `rope`: (cos,
-    sin) of each pair's angle, float32 (S, D / 2) over the whole sequence, or None: pair (2i, 2i + 1) is turned by
-    angle i, as diffusers' real form turns it given cos and sin repeated per pair (pass its (S, D) tensors'
-    [:, ::2] once they are seen to repeat, contiguous for vector loads; they are read in place).
-    `heads_per_program`: heads whose same keys one program of the K/V pass stages, sharing the angles' loads;
-    `num_warps`: its warps (None: 16 at D128, 8 at D64). Returns
-    what `traced_staging.stage_kv` returns for the host's K and V; the inputs are only read."""
+    `k`, `v`: one or two (B, S_i, H, D) fp16/bf16 tensors each (any strides), concatenated along the sequence in
+    that order (Flux and Qwen-Image put the text first, SD3 the image). `k_norm`: each part's RMSNorm weight (D,),
+    applied with `eps`, or None for no norm. `rope`: (cos, sin) of each pair's angle, float32 (S, D / 2) over the
+    whole sequence, or None: pair (2i, 2i + 1) is turned by angle i, as diffusers' real form turns it given cos and
+    sin repeated per pair (pass its (S, D) tensors' [:, ::2] once they are seen to repeat, contiguous for vector
+    loads; they are read in place). `heads_per_program`: heads whose same keys one program of the K/V pass stages,
+    sharing the angles' loads; `num_warps`: its warps (None: 16 at D128, 8 at D64). Returns what
+    `traced_staging.stage_kv` returns for the host's K and V; the inputs are only read."""
     validate_joint(k, v, k_norm, rope)
     if isinstance(heads_per_program, bool) or not isinstance(heads_per_program, int) or not 1 <= heads_per_program <= 8:
         raise ValueError(f"heads_per_program is {heads_per_program!r}; allowed: an int in [1, 8]")
