@@ -1,6 +1,6 @@
 """Inductor's CUDA code for the sage2 form's traced K/V staging and the kernel's op in Flux's attention region,
 generated on this machine by tools/inductor_code.py (fake CUDA tensors, nothing compiled or run): the staging
-fuses as designed."""
+fuses as designed; with the folded staging (`joint_staging`) the graph's own kernels are Q's."""
 
 from __future__ import annotations
 
@@ -56,11 +56,23 @@ def test_the_staging_reads_k_once_and_v_in_place_of_its_concatenation(rows, shap
     assert extra <= k_bf16 + k_int8 + v_e4m3 + 2 * sample, rows[(shape, "fused")]["kernels"]
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+def test_folded_the_graph_makes_q_alone_and_no_copy_of_k_or_v(rows, shape):
+    """With K and V staged by the folded pass (an extern call), inductor's kernels are Q's norm, concatenation and
+    RoPE: of the prologue's bytes, at least K's and V's bf16 copies go, each written once and read once."""
+    b, h, s, d = map(int, shape.split("x"))
+    folded, prologue = rows[(shape, "folded")], rows[(shape, "prologue")]
+    assert folded["float32_kv_buffers"] == 0
+    assert folded["launches"] < prologue["launches"], folded["kernels"]
+    kv_copies = 2 * 2 * (2 * b * h * s * d)  # K and V in bf16, written and read
+    assert 1e6 * (prologue["megabytes"] - folded["megabytes"]) >= kv_copies, folded["kernels"]
+
+
 def test_the_tool_checks_its_arguments(capsys):
     sys.path.insert(0, str(ROOT / "tools"))
     import inductor_code
 
-    for argv, why in ((["--cases", "fused,opaque"], "--cases: unknown opaque; known: fused, prologue"),
+    for argv, why in ((["--cases", "fused,opaque"], "--cases: unknown opaque; known: fused, prologue, folded"),
                       (["--text", "-1"], "--text -1: want 0 or more tokens"),
                       (["--shapes", "1x24x4608x96"], "head_dim 64 or 128")):
         with pytest.raises(SystemExit):

@@ -132,13 +132,15 @@ Specs = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 def input_specs(shape: tuple[int, int, int, int], text: int) -> tuple[Specs, Specs]:
     """The region's inputs by name, shape and dtype: the projections (B, S, H, D) of the text and image tokens, then
-    the norm weights and the rotary angles (S, D)."""
+    the norm weights, the rotary angles' cos and sin (S, D), and each pair's (S, D / 2) for the folded staging."""
     b, h, s, d = shape
     text = min(text, s - 1)
     parts = {f"{name}_{side}": ((b, n, h, d), torch.bfloat16) for name in "qkv" for side, n in (("txt", text),
                                                                                                 ("img", s - text))}
     weights: Specs = {name: ((d,), torch.bfloat16) for name in ("q_txt", "q_img", "k_txt", "k_img")}
     weights.update(cos=((s, d), torch.float32), sin=((s, d), torch.float32))
+    # each pair's angle once, contiguous: what a folding processor would make once per forward, for every layer
+    weights.update(cos_pair=((s, d // 2), torch.float32), sin_pair=((s, d // 2), torch.float32))
     return parts, weights
 
 
@@ -150,9 +152,8 @@ def inputs(shape: tuple[int, int, int, int], text: int) -> tuple[dict[str, torch
         parts[f"k_{side}"] += 0.5 * torch.randn(1, 1, h, d, device="cuda", dtype=torch.bfloat16)
     angles = torch.rand(s, d // 2, device="cuda") * torch.logspace(0, -4, d // 2, device="cuda") * s
     w = {name: 1 + 0.1 * torch.randn(size, device="cuda", dtype=dtype)
-         for name, (size, dtype) in weight_specs.items() if name not in ("cos", "sin")}
+         for name, (size, dtype) in weight_specs.items() if name[:3] not in ("cos", "sin")}
     w["cos"], w["sin"] = angles.cos().repeat_interleave(2, -1), angles.sin().repeat_interleave(2, -1)
-    # each pair's angle once, contiguous: what a folding processor would make once per forward, for every layer
     w["cos_pair"], w["sin_pair"] = w["cos"][:, ::2].contiguous(), w["sin"][:, ::2].contiguous()
     return parts, w
 

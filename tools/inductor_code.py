@@ -11,11 +11,13 @@ tools/bench_compiled_staging.py: RMS norm, text and image tokens concatenated, R
   fused     the region with attention as the benchmark's `fused` variant runs it: the traced K/V staging
             (`traced_staging.stage_kv`), then the op `sage2_cuda_on_staged_kv` on it (the kernel alone, an extern
             call in inductor's code: its own reads are not counted), so the region less `prologue` is the staging
+  folded    the benchmark's `folded` variant: Q's norm, concatenation and RoPE, then the folded K/V staging
+            (`joint_staging`) and the kernel, both extern calls: inductor's part is Q's alone
 What it is for: seeing, before a GPU is at hand, whether inductor fuses the staging as intended (K's block
 maxima and quantisation in one kernel, V quantised by a transposing kernel, no float32 copy of K or V written
 out). It is not a timing: a kernel's bytes are inductor's estimate of its unique reads and writes.
 
-    python tools/inductor_code.py [--cases fused,prologue] [--shapes 1x24x4608x128,...] [--text 512]
+    python tools/inductor_code.py [--cases fused,prologue,folded] [--shapes 1x24x4608x128,...] [--text 512]
                                   [--json out.json] [--code DIR]
 """
 
@@ -41,7 +43,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 from bench_sage_builds import parse_shapes  # noqa: E402
 
 
-CASES = ("fused", "prologue")
+CASES = ("fused", "prologue", "folded")
 
 
 @dataclass(frozen=True)
@@ -257,7 +259,7 @@ def case_function(case: str, shape: tuple[int, int, int, int],
     weights, in order), and those inputs' shapes and dtypes."""
     import bench_compiled_staging as region_bench
 
-    region = region_bench.region(region_bench.VARIANTS[case])
+    region = region_bench.REGIONS[case]
     parts, weights = region_bench.input_specs(shape, text)
 
     def run(*tensors: torch.Tensor) -> object:
