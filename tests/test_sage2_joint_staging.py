@@ -104,6 +104,36 @@ def test_one_pass_from_the_projections_stages_the_hosts_keys_and_values(b, h, pa
     assert_staging_close(host.folded(), *host.kv(), exact=DEVICE == "cpu" and not norm)
 
 
+def test_qwen_images_complex_rope_per_part_is_the_same_turn_of_each_pair():
+    """Qwen-Image turns text and image keys by their own complex frequencies (`apply_rotary_emb_qwen(use_real=False)`)
+    before concatenating them: the fold takes the two parts' angles concatenated."""
+    from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
+
+    host = JointHost(1, 2, (77, 300), 128, torch.bfloat16, True, False)
+    g = torch.Generator(device=DEVICE).manual_seed(7)
+    freqs = [torch.polar(torch.ones(n, 64, device=DEVICE), torch.rand(n, 64, device=DEVICE, generator=g) * 6.28)
+             for n in (77, 300)]
+    with torch.no_grad():
+        k = torch.cat([apply_rotary_emb_qwen(n(t), f, use_real=False) for n, t, f in zip(host.norms, host.k, freqs)],
+                      dim=1)
+    angles = torch.cat(freqs)
+    got = stage_joint_kv(host.k, host.v, k_norm=[n.weight for n in host.norms], eps=EPS,
+                         rope=(angles.real.contiguous(), angles.imag.contiguous()))
+    assert_staging_close(got, k.transpose(1, 2), torch.cat(host.v, dim=1).transpose(1, 2), exact=False)
+
+
+def test_sd3s_image_first_parts_are_taken_as_bhsd_views():
+    """SD3 keeps its projections (B, H, S, D) and puts the image first: the fold reads them by their strides."""
+    host = JointHost(2, 3, (200, 77), 64, torch.bfloat16, True, False)
+    bhsd = [t.transpose(1, 2).contiguous() for t in host.k], [t.transpose(1, 2).contiguous() for t in host.v]
+    got = stage_joint_kv([t.transpose(1, 2) for t in bhsd[0]], [t.transpose(1, 2) for t in bhsd[1]],
+                         k_norm=[n.weight for n in host.norms], eps=EPS)
+    want = host.folded()
+    for name in ("k8", "k_scale", "k_mean", "v_scale"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert torch.equal(got.vt8.float(), want.vt8.float())
+
+
 @pytest.mark.parametrize("heads_per_program,num_warps", [(1, 4), (3, 8), (8, None)])
 def test_any_heads_a_program_and_warps_stage_the_same_bits(heads_per_program, num_warps):
     """Five heads: groups of 1, 3 (the last one short) or 8 (one group, three heads idle) heads a program."""
