@@ -12,8 +12,8 @@ angle, fp32 products rounded to the input's dtype), so K's codes are those of th
 few values.
 
 Two launches: K's mean over its sampled keys (each of them normed and rotated), then the K/V pass (a program per
-128 keys of one (batch, head)). `flash_catalog::sage2_stage_joint_kv` is the same as a torch op, for compiled
-graphs."""
+128 keys of a few heads of one batch, which share the keys' angles). `flash_catalog::sage2_stage_joint_kv` is the
+same as a torch op, for compiled graphs."""
 
 from __future__ import annotations
 
@@ -23,7 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .quant import DTYPES, HEAD_DIMS, MEAN_SAMPLE, _quant_int8_block, _quant_v_fp8_block, interpreter_active
+from ..activation import round_to_bf16
+from .quant import (DTYPES, HEAD_DIMS, MEAN_SAMPLE, _quant_int8_block, _quant_v_fp8_block, interpreter_active,
+                    mma_order_rows)
 from .traced_staging import BLOCK_N, StagedKV
 
 # The K/V pass's defaults, chosen by ptxas's allocation (128 registers a thread, no spills, at either head dim), not
@@ -48,12 +50,10 @@ def _joint_tile(A, B, b, h, rows, offs_d, valid, SPLIT,
 
 @triton.jit
 def _rounded(x, OUT_TY: tl.constexpr, INTERPRETED: tl.constexpr):
-    """fp32 `x` rounded to OUT_TY (to nearest even), kept in fp32. The interpreter's fp32->bf16 cast truncates, so
-    there the rounding is done on the bits (finite values)."""
+    """fp32 `x` rounded to OUT_TY (to nearest even), kept in fp32; the interpreter's fp32->bf16 cast truncates, so
+    there `round_to_bf16` rounds."""
     if INTERPRETED and OUT_TY == tl.bfloat16:
-        bits = x.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        return bits.to(tl.float32, bitcast=True)
+        return round_to_bf16(x)
     return x.to(OUT_TY).to(tl.float32)
 
 
@@ -126,8 +126,7 @@ def _joint_kv_kernel(KA, KB, VA, VB, WA, WB, COS, SIN, KMEAN, K8, KS, VS, VT8,
     rows = pid_m * BLOCK_N + tl.arange(0, BLOCK_N)
     valid = rows < SEQ
     c, s = _angles(COS, SIN, rows, valid, s_cs, s_cd, HEAD_DIM) if ROPE else (0.0, 0.0)
-    k = tl.arange(0, BLOCK_N)  # column 16A + 4t + 2a + b of V^T holds token 16A + 8a + 2t + b
-    v_rows = pid_m * BLOCK_N + (k // 16) * 16 + ((k // 2) % 2) * 8 + ((k // 4) % 4) * 2 + k % 2
+    v_rows = mma_order_rows(pid_m, BLOCK_N)
     for j in tl.static_range(HEADS):
         h = h0 + j
         if h < H:
@@ -159,7 +158,7 @@ def _parts(name: str, parts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torc
 def validate_joint(k: Sequence[torch.Tensor], v: Sequence[torch.Tensor], k_norm: Sequence[torch.Tensor] | None,
                    rope: tuple[torch.Tensor, torch.Tensor] | None) -> None:
     """Raise ValueError naming the bad input and what is allowed; None when `stage_joint_kv` can run."""
-    ka, kb, _ = _parts("k", k)
+    _parts("k", k)
     _parts("v", v)
     if len(k) != len(v):
         raise ValueError(f"k has {len(k)} parts and v {len(v)}; allowed: the same parts for both")
@@ -189,7 +188,7 @@ def validate_joint(k: Sequence[torch.Tensor], v: Sequence[torch.Tensor], k_norm:
                 raise ValueError(f"k_norm[{i}] has shape {tuple(w.shape)} on {w.device}; allowed: ({d},) on "
                                  f"{first.device}")
     if rope is not None:
-        seq = ka.shape[1] + (kb.shape[1] if len(k) == 2 else 0)
+        seq = sum(t.shape[1] for t in k)
         for name, t in zip(("cos", "sin"), rope):
             if t.shape != (seq, d // 2) or t.dtype != torch.float32 or t.device != first.device:
                 raise ValueError(f"rope's {name} is {t.dtype} {tuple(t.shape)} on {t.device}; allowed: float32 "

@@ -379,6 +379,14 @@ def _quant_int8_block(X, MEAN, XQ, XS, V, V16, pid_m, pid_bh,
 
 
 @triton.jit
+def mma_order_rows(pid_t, BLOCK_T: tl.constexpr):
+    """The tokens of block pid_t in the order of V^T's columns in the FP8 MMA order: column k = 16A + 4t + 2a + b
+    holds token 16A + 8a + 2t + b of its 32."""
+    k = tl.arange(0, BLOCK_T)
+    return pid_t * BLOCK_T + (k // 16) * 16 + ((k // 2) % 2) * 8 + ((k // 4) % 4) * 2 + k % 2
+
+
+@triton.jit
 def _v_fp8_tokens(V, pid_t, pid_bh, stride_vb, stride_vh, stride_vs, stride_vd, H_KV, SEQ_KV,
                   BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr, MMA_ORDER: tl.constexpr):
     """The BLOCK_T tokens of block pid_t of (batch, kv head) pid_bh as fp32 (rows past SEQ_KV zero), in the order
@@ -386,9 +394,8 @@ def _v_fp8_tokens(V, pid_t, pid_bh, stride_vb, stride_vh, stride_vs, stride_vd, 
     b = pid_bh // H_KV
     h = pid_bh % H_KV
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    if MMA_ORDER:  # column k = 16A + 4t + 2a + b holds token 16A + 8a + 2t + b of its 32
-        k = tl.arange(0, BLOCK_T)
-        rows = pid_t * BLOCK_T + (k // 16) * 16 + ((k // 2) % 2) * 8 + ((k // 4) % 4) * 2 + k % 2
+    if MMA_ORDER:
+        rows = mma_order_rows(pid_t, BLOCK_T)
     offs_d = tl.arange(0, HEAD_DIM)
     ptr = _token_tile(V, b, h, rows, offs_d, stride_vb, stride_vh, stride_vs, stride_vd)
     return tl.load(ptr, mask=(rows < SEQ_KV)[:, None], other=0.0).to(tl.float32)
