@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ..activation import round_to_bf16
 from .quant import (DTYPES, HEAD_DIMS, MEAN_SAMPLE, _quant_int8_block, _quant_v_fp8_block, interpreter_active,
-                    mma_order_rows)
+                    mma_order_rows, sampled_key_rows)
 from .traced_staging import BLOCK_N, StagedKV
 
 # The K/V pass's defaults, chosen by ptxas's allocation (128 registers a thread, no spills, at either head dim), not
@@ -93,10 +93,7 @@ def _joint_k_mean_kernel(KA, KB, WA, WB, COS, SIN, KMEAN, SPLIT, SEQ, H,
     """K's mean over n = min(SAMPLE, SEQ) of its keys (key (i * SEQ) // n, as `reference.sampled_key_rows`), each
     normed and rotated, for (batch, head) program_id(0)."""
     pid_bh = tl.program_id(0)
-    n = tl.minimum(SEQ, SAMPLE)
-    i = tl.arange(0, SAMPLE)
-    valid = i < n
-    rows = tl.where(valid, (i.to(tl.int64) * SEQ) // n, 0).to(tl.int32)
+    rows, valid, n = sampled_key_rows(SEQ, SAMPLE)
     offs_d = tl.arange(0, HEAD_DIM)
     x = _joint_tile(KA, KB, pid_bh // H, pid_bh % H, rows, offs_d, valid, SPLIT,
                     sa_b, sa_s, sa_h, sa_d, sb_b, sb_s, sb_h, sb_d)

@@ -271,17 +271,24 @@ def _kv_stats_chunk(K, V, KSUM, VMAX, pid_c, pid_bh,
 
 
 @triton.jit
+def sampled_key_rows(SEQ_KV, SAMPLE: tl.constexpr):
+    """The keys behind K's sampled mean, as `reference.sampled_key_rows`: n = min(SAMPLE, SEQ_KV) of them, key
+    (i * SEQ_KV) // n for i < SAMPLE (int64), the mask i < n, and n."""
+    n = tl.minimum(SEQ_KV, SAMPLE)
+    i = tl.arange(0, SAMPLE)
+    return (i.to(tl.int64) * SEQ_KV) // n, i < n, n
+
+
+@triton.jit
 def _k_sampled_mean(K, KMEAN, pid_bh, stride_kb, stride_kh, stride_ks, stride_kd, H_KV, SEQ_KV,
                     SAMPLE: tl.constexpr, HEAD_DIM: tl.constexpr):
     """K's mean over n = min(SAMPLE, SEQ_KV) of its tokens, token (i * SEQ_KV) // n for i < n, of (batch, kv head)
     pid_bh, into KMEAN. Softmax is invariant to the mean taken off K, so a sample serves: it only centres K for its
     INT8 blocks, and the log-sum-exp is corrected by the same mean."""
-    n = tl.minimum(SEQ_KV, SAMPLE)
-    i = tl.arange(0, SAMPLE)
-    rows = (i.to(tl.int64) * SEQ_KV) // n
+    rows, valid, n = sampled_key_rows(SEQ_KV, SAMPLE)
     offs_d = tl.arange(0, HEAD_DIM)
     x = tl.load(_token_tile(K, pid_bh // H_KV, pid_bh % H_KV, rows, offs_d, stride_kb, stride_kh, stride_ks,
-                            stride_kd), mask=(i < n)[:, None], other=0.0).to(tl.float32)
+                            stride_kd), mask=valid[:, None], other=0.0).to(tl.float32)
     total = tl.sum(x, 0)
     tl.store(KMEAN + pid_bh.to(tl.int64) * HEAD_DIM + offs_d,
              tl.math.div_rn(total, tl.zeros_like(total) + n.to(tl.float32)))
